@@ -1,0 +1,7 @@
+"""fpscale: distributed pretraining of looped (fixed-point) language models."""
+from fpscale.config import Config, load_config
+from fpscale.errors import ConfigError
+from fpscale.solvers import SolverConfig, solve
+
+__all__ = ["Config", "ConfigError", "SolverConfig", "load_config", "solve"]
+__version__ = "0.1.0"

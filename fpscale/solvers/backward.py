@@ -1,0 +1,63 @@
+"""Backward modes at the fixed point z* (DESIGN.md section 3).
+
+implicit  one differentiable application fz = f(z*) is recorded; a hook on fz replaces the
+          incoming gradient g by the adjoint u solving u = J^T u + g (J = df/dz at z*),
+          by the same damped iteration as the forward. Autograd then carries u through
+          f's graph: dL/dtheta = (df/dtheta)^T u, dL/dx = (df/dx)^T u. Memory: one f.
+          Tokens that did not converge are masked out of the adjoint (seed 000, App. D).
+phantom   k differentiable applications of f starting at the detached z* (seed 004, Prop. 1).
+jfb       phantom with k = 1.
+unroll    handled by the solver: autograd through every forward iteration.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.iterate import Consensus, _per_token, iterate
+from fpscale.solvers.stats import SolverStats
+
+
+def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
+                    stats: SolverStats, consensus: Consensus | None) -> torch.Tensor:
+    """Return a tensor equal to z* whose backward is the implicit-function-theorem gradient."""
+    z_in = z_star.detach().requires_grad_()
+    fz = f(z_in)
+    keep = stats.token_converged if cfg.mask_unconverged else torch.isfinite(stats.sample_residual)[:, None].expand_as(stats.token_converged)
+    mask = _per_token(keep, fz).to(fz.dtype)
+    adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
+                                      stop_quantile=0.0, freeze_converged=False)
+
+    def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
+        g = grad * mask
+
+        def adjoint_step(u: torch.Tensor) -> torch.Tensor:
+            (vjp,) = torch.autograd.grad(fz, z_in, u, retain_graph=True)
+            return (vjp + g) * mask
+
+        with torch.no_grad():
+            result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus)
+        stats.backward_iterations = result.iterations
+        stats.backward_residual = float(result.token_res.max()) if result.token_res.numel() else 0.0
+        return result.z
+
+    # The hook sits on an alias of fz that only the outer graph reaches: the adjoint's own
+    # vector-Jacobian products (autograd.grad of fz) must not re-enter it.
+    fz_out = fz.view_as(fz)
+    fz_out.register_hook(adjoint_hook)
+    # Value exactly z* (what the forward found, frozen tokens bit-identical); gradient of f(z*).
+    delta = fz_out - fz_out.detach()
+    if stats.nonfinite:
+        delta = torch.where(mask.bool(), delta, torch.zeros_like(delta))
+    return z_star.detach() + delta
+
+
+def phantom(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, steps: int) -> torch.Tensor:
+    """k differentiable steps of f from the detached fixed point."""
+    z = z_star.detach()
+    for _ in range(steps):
+        z = f(z)
+    return z

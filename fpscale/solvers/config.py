@@ -1,0 +1,73 @@
+"""`SolverConfig`: every knob of the fixed-point solver and its backward pass."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from fpscale.errors import check
+
+BackwardMode = Literal["implicit", "phantom", "jfb", "unroll"]
+
+
+@dataclass
+class SolverConfig:
+    """How a fixed point ``z = f(z)`` is found and differentiated.
+
+    Forward (Algorithm 1 of FPRM, seed 004, plus the quantile stop of its App. D):
+      max_iter           hard cap on applications of f
+      tol                a token is converged when its relative residual is below tol
+      norm               ``inf`` (default) or ``l2`` relative residual per token
+      stop_quantile      p: in training, stop once fewer than p*B samples are unconverged;
+                         evaluation always uses p = 0 (every sample converged)
+      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z
+      patience, decay    after ``patience`` steps without a new best residual, eta <- decay*eta
+                         (patience 0 disables the decay)
+      eta_min            stop when eta falls below this
+      freeze_converged   per-token selective update (FPSA): a converged token is frozen
+      anderson           Anderson acceleration window (0 = off, else >= 2)
+      anderson_lambda    Tikhonov regularisation of Anderson's least squares
+    Backward (DESIGN.md section 3):
+      backward           implicit | phantom | jfb | unroll
+      phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
+      backward_max_iter, backward_tol
+                         stopping of the adjoint solve u = J^T u + g (implicit only)
+      mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D)
+    """
+
+    max_iter: int = 30
+    tol: float = 1e-2
+    norm: Literal["inf", "l2"] = "inf"
+    stop_quantile: float = 0.0
+    damping: float = 1.0
+    patience: int = 5
+    decay: float = 0.7
+    eta_min: float = 0.05
+    freeze_converged: bool = False
+    anderson: int = 0
+    anderson_lambda: float = 1e-4
+    eps: float = 1e-6
+    backward: BackwardMode = "implicit"
+    phantom_steps: int = 4
+    backward_max_iter: int = 40
+    backward_tol: float = 1e-4
+    mask_unconverged: bool = True
+
+    def validate(self, prefix: str = "") -> None:
+        key = (lambda name: f"{prefix}.{name}" if prefix else name)
+        check(self.max_iter >= 1, key("max_iter"), f"must be >= 1, got {self.max_iter}")
+        for name in ("tol", "backward_tol", "eps", "anderson_lambda", "eta_min"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, key(name), f"must be a finite number >= 0, got {value}")
+        check(0.0 <= self.stop_quantile < 1.0, key("stop_quantile"),
+              f"must lie in [0, 1) (the tolerated fraction of unconverged samples), got {self.stop_quantile}")
+        check(0.0 < self.damping <= 1.0, key("damping"), f"must lie in (0, 1], got {self.damping}")
+        check(self.patience >= 0, key("patience"), f"must be >= 0 (0 disables decay), got {self.patience}")
+        check(0.0 < self.decay < 1.0, key("decay"), f"must lie in (0, 1), got {self.decay}")
+        check(self.eta_min < self.damping, key("eta_min"),
+              f"must be below damping ({self.damping}), got {self.eta_min}: the solver would stop at once")
+        check(self.anderson == 0 or self.anderson >= 2, key("anderson"),
+              f"is the Anderson window: 0 (off) or >= 2, got {self.anderson}")
+        check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
+        check(self.backward_max_iter >= 1, key("backward_max_iter"),
+              f"must be >= 1, got {self.backward_max_iter}")

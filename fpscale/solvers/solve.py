@@ -1,0 +1,58 @@
+"""`solve(f, z0, config)`: find z* = f(z*) and make it differentiable the configured way.
+
+    >>> import torch
+    >>> from fpscale.solvers import solve, SolverConfig
+    >>> W = 0.3 * torch.eye(4); x = torch.randn(2, 3, 4)
+    >>> z, stats = solve(lambda z: torch.tanh(z @ W + x), torch.zeros_like(x), SolverConfig(tol=1e-6))
+    >>> stats.stopped_by
+    'converged'
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fpscale.solvers.backward import attach_implicit, phantom
+from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.iterate import Consensus, iterate
+from fpscale.solvers.stats import SolverStats
+
+
+def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
+          *, training: bool | None = None, consensus: Consensus | None = None,
+          max_iter: int | None = None) -> tuple[torch.Tensor, SolverStats]:
+    """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
+
+    training   selects the stop quantile: ``config.stop_quantile`` when True, 0 otherwise.
+               None means "whether grad mode is on".
+    consensus  reduces the stop decision over a process group (all TP ranks must iterate
+               the same number of times); see :mod:`fpscale.solvers.iterate`.
+    max_iter   overrides ``config.max_iter`` for this call (randomised caps).
+    Returns (z, stats). With grad mode on, z carries the gradient of ``config.backward``.
+    """
+    cfg = config or SolverConfig()
+    if not isinstance(z0, torch.Tensor) or z0.dim() < 2:
+        raise ValueError(f"solve: z0 must be a tensor shaped [batch, tokens, ...], got "
+                         f"{tuple(z0.shape) if isinstance(z0, torch.Tensor) else type(z0).__name__}")
+    if max_iter is not None and max_iter < 1:
+        raise ValueError(f"solve: max_iter must be >= 1, got {max_iter}")
+    if not bool(torch.isfinite(z0).all()):
+        raise ValueError("solve: the initial iterate z0 contains NaN or Inf")
+    if training is None:
+        training = torch.is_grad_enabled()
+    quantile = cfg.stop_quantile if training else 0.0
+    grad = torch.is_grad_enabled()
+    unroll = grad and cfg.backward == "unroll"
+    with torch.enable_grad() if unroll else torch.no_grad():
+        result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile,
+                         consensus=consensus, max_iter=max_iter)
+    stats = SolverStats(iterations=result.iterations, max_iter=max_iter or cfg.max_iter,
+                        stopped_by=result.stopped_by, sample_residual=result.token_res.amax(1),
+                        token_converged=result.token_converged, final_eta=result.eta, tol=cfg.tol)
+    z = result.z
+    if not grad or unroll:
+        return z, stats
+    if cfg.backward == "implicit":
+        return attach_implicit(f, z, cfg, stats, consensus), stats
+    return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for fpscale: a virtual environment in .venv with the CPU PyTorch wheel
+# (installed first, so nothing pulls CUDA packages), DeepSpeed built against it, and fpscale.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+quiet() { "$@" 2>&1 | grep -v -e "^WARNING: Location" -e "^$" || true; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "[setup] installing torch ${FPSCALE_TORCH:-2.13.0} (CPU wheel unless FPSCALE_TORCH says otherwise)"
+    quiet $PIP install "torch==${FPSCALE_TORCH:-2.13.0}"
+fi
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+    echo "[setup] installing deepspeed (built against the installed torch)"
+    quiet $PIP install setuptools wheel
+    quiet $PIP install --no-build-isolation "deepspeed==0.19.8"
+fi
+if ! .venv/bin/python -c "import fpscale, pytest, pytest_timeout" 2>/dev/null; then
+    echo "[setup] installing fpscale and its dependencies"
+    quiet $PIP install -e ".[dev]"
+fi
+.venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')" 2>&1 | grep "^\[setup\]"

@@ -1,0 +1,203 @@
+"""Stop rules, damping with patience, Anderson, freezing, safeguards, consensus, bad input."""
+import math
+
+import pytest
+import torch
+
+from fpscale.errors import ConfigError
+from fpscale.solvers import SolverConfig, solve
+from fpscale.typed import from_dict
+
+TOL = 1e-3
+
+
+def affine(c):
+    """Sample b contracts to 1 with factor c[b]: z <- c z + (1 - c)."""
+    c = c.view(-1, 1, 1)
+    return lambda z: c * z + (1 - c)
+
+
+def first_converged_iteration(c: float, tol: float) -> int:
+    """Independent scalar replay of the solver's residual for one sample."""
+    z = 0.0
+    for k in range(1, 10_000):
+        new = c * z + (1 - c)
+        if abs(new - z) / (abs(new) + 1e-6) < tol:
+            return k
+        z = new
+    raise AssertionError
+
+
+@pytest.mark.parametrize("p", [0.0, 0.125, 0.25, 0.5, 0.75])
+def test_quantile_rule_stops_exactly_when_fewer_than_pB_unconverged(p):
+    c = torch.tensor([0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9], dtype=torch.float64)
+    B = len(c)
+    conv_at = [first_converged_iteration(float(ci), TOL) for ci in c]
+    expected = next(k for k in range(1, 10_000)
+                    if (sum(ck > k for ck in conv_at) == 0) or sum(ck > k for ck in conv_at) < p * B)
+    cfg = SolverConfig(max_iter=500, tol=TOL, stop_quantile=p, patience=0)
+    _, stats = solve(affine(c), torch.zeros(B, 2, 3, dtype=torch.float64), cfg, training=True)
+    assert stats.iterations == expected
+    assert stats.stopped_by == ("converged" if p == 0 else "quantile") or expected == max(conv_at)
+    unconverged = int((stats.sample_residual >= TOL).sum())
+    assert unconverged == 0 if p == 0 else unconverged < p * B
+
+
+def test_evaluation_ignores_stop_quantile():
+    c = torch.tensor([0.1, 0.9], dtype=torch.float64)
+    cfg = SolverConfig(max_iter=500, tol=TOL, stop_quantile=0.75, patience=0)
+    _, train = solve(affine(c), torch.zeros(2, 1, 1, dtype=torch.float64), cfg, training=True)
+    _, evaluation = solve(affine(c), torch.zeros(2, 1, 1, dtype=torch.float64), cfg, training=False)
+    assert train.iterations == first_converged_iteration(0.1, TOL)
+    assert evaluation.iterations == first_converged_iteration(0.9, TOL)
+    assert evaluation.to_dict()["converged_fraction"] == 1.0
+
+
+def test_cap_stops_it():
+    c = torch.tensor([0.9], dtype=torch.float64)
+    z, stats = solve(affine(c), torch.zeros(1, 1, 1, dtype=torch.float64),
+                     SolverConfig(max_iter=7, tol=0.0), training=False)
+    assert stats.iterations == 7 and stats.stopped_by == "max_iter"
+    assert float(z.detach()) == pytest.approx(1 - 0.9 ** 7)
+
+
+def test_eta_min_stops_it():
+    """f(z) = 2z has a scale-free residual of 1/2: it never improves, so eta decays to eta_min."""
+    cfg = SolverConfig(max_iter=100, tol=1e-6, damping=1.0, patience=2, decay=0.5, eta_min=0.1)
+    _, stats = solve(lambda z: 2 * z, torch.ones(1, 1, 2), cfg, training=False)
+    # eta: 1 (k=1, first residual is progress) -> 0.5 (k=3) -> 0.25 (k=5) -> 0.125 (k=7) -> 0.0625 (k=9)
+    assert stats.stopped_by == "eta_min" and stats.iterations == 9
+    assert float(stats.final_eta) == pytest.approx(0.0625)
+
+
+def rotation_map(scale=1.05, angle=math.pi / 2):
+    """Linear map with eigenvalues scale*e^{+-i angle}: |lambda| >= 1, Re(lambda) < 1."""
+    R = scale * torch.tensor([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]],
+                             dtype=torch.float64)
+    b = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    z_star = torch.linalg.solve(torch.eye(2, dtype=torch.float64) - R, b)
+    return (lambda z: z @ R.T + b), z_star
+
+
+def test_undamped_iteration_of_an_oscillating_map_fails():
+    f, _ = rotation_map()
+    _, stats = solve(f, torch.zeros(1, 1, 2, dtype=torch.float64),
+                     SolverConfig(max_iter=200, tol=1e-8, patience=0), training=False)
+    assert stats.stopped_by == "max_iter"
+
+
+@pytest.mark.parametrize("damping,patience", [(0.5, 0), (1.0, 3)])
+def test_damping_rescues_an_oscillating_map(damping, patience):
+    f, z_star = rotation_map()
+    z, stats = solve(f, torch.zeros(1, 1, 2, dtype=torch.float64),
+                     SolverConfig(max_iter=400, tol=1e-8, damping=damping, patience=patience, decay=0.7,
+                                  eta_min=1e-3), training=False)
+    assert stats.stopped_by == "converged"
+    assert torch.allclose(z[0, 0], z_star, atol=1e-6)
+    if patience:
+        assert float(stats.final_eta) < 1.0      # the patience rule found the damping itself
+
+
+def test_anderson_converges_faster_to_the_same_point():
+    torch.manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
+    M = Q @ torch.diag(torch.linspace(-0.98, 0.98, 16, dtype=torch.float64)) @ Q.T   # slow contraction
+    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    f = lambda z: z @ M + x
+    cfg = SolverConfig(max_iter=2000, tol=1e-10, patience=0)
+    z_plain, s_plain = solve(f, torch.zeros_like(x), cfg, training=False)
+    z_and, s_and = solve(f, torch.zeros_like(x), SolverConfig(**{**cfg.__dict__, "anderson": 5}), training=False)
+    assert s_plain.stopped_by == s_and.stopped_by == "converged"
+    assert s_and.iterations < s_plain.iterations / 3
+    assert torch.allclose(z_plain, z_and, atol=1e-8)
+
+
+def test_freezing_keeps_frozen_tokens_bit_identical():
+    rates = torch.tensor([0.1, 0.5, 0.8, 0.95], dtype=torch.float64).view(1, 4, 1)
+    inputs = []
+
+    def f(z):
+        inputs.append(z.clone())
+        return rates * z + (1 - rates) + 1e-3 * z.mean(1, keepdim=True)   # tokens interact
+
+    z, stats = solve(f, torch.zeros(1, 4, 3, dtype=torch.float64),
+                     SolverConfig(max_iter=500, tol=1e-4, freeze_converged=True, patience=0), training=False)
+    assert stats.stopped_by == "converged"
+    outputs = [f_out for f_out in inputs]   # inputs[k] is z_k, the iterate after k steps
+    for t in range(4):
+        res = [float((torch.abs(f(inp)[0, t] - inp[0, t]).max() / torch.abs(f(inp)[0, t]).max()).detach())
+               for inp in outputs[:]]
+        k = next(i for i, r in enumerate(res) if r < 1e-4)   # first step at which token t converged
+        for later in outputs[k + 1:]:
+            assert torch.equal(later[0, t], outputs[k + 1][0, t])
+        assert torch.equal(z[0, t], outputs[k + 1][0, t])
+    # without freezing, the fast token keeps moving (the assertion above can fail)
+    inputs.clear()
+    solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4, patience=0),
+          training=False)
+    assert not torch.equal(inputs[-1][0, 0], inputs[-2][0, 0])
+
+
+def test_nonfinite_residual_stops_and_keeps_last_finite_iterate():
+    calls = []
+
+    def f(z):
+        calls.append(1)
+        return z * 0.5 + 1 if len(calls) < 4 else z * float("inf")
+
+    z, stats = solve(f, torch.zeros(2, 3, 1), SolverConfig(max_iter=50, tol=1e-9), training=False)
+    assert stats.stopped_by == "nonfinite" and stats.nonfinite and stats.iterations == 4
+    assert torch.isfinite(z).all()
+    assert torch.allclose(z, torch.full_like(z, 1.75))       # z_3 = 0 -> 1 -> 1.5 -> 1.75
+
+
+def test_deterministic():
+    torch.manual_seed(0)
+    W = 0.5 * torch.randn(8, 8) / 8 ** 0.5
+    x = torch.randn(4, 5, 8)
+    cfg = SolverConfig(max_iter=40, tol=1e-5, anderson=3, damping=0.9)
+    runs = [solve(lambda z: torch.tanh(z @ W + x), torch.zeros_like(x), cfg, training=False) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].iterations == runs[1][1].iterations
+
+
+def test_consensus_keeps_ranks_iterating_together():
+    """A peer that still wants to iterate keeps this rank going (TP lock-step)."""
+    c = torch.tensor([0.1], dtype=torch.float64)
+    alone = solve(affine(c), torch.zeros(1, 1, 1, dtype=torch.float64), SolverConfig(tol=TOL), training=False)[1]
+    peer_iterations = alone.iterations + 5
+    seen = []
+
+    def consensus(flags):           # element-wise MAX with a simulated peer's flags
+        seen.append(flags.clone())
+        peer = torch.tensor([int(len(seen) < peer_iterations), 0])
+        return torch.maximum(flags, peer)
+
+    _, stats = solve(affine(c), torch.zeros(1, 1, 1, dtype=torch.float64), SolverConfig(tol=TOL),
+                     training=False, consensus=consensus)
+    assert stats.iterations == peer_iterations == len(seen)
+
+
+def test_bad_inputs_raise_clear_errors():
+    f = lambda z: z * 0.5
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        solve(f, torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match=r"shaped like z \(2, 3\), got \(2, 4\)"):
+        solve(lambda z: torch.zeros(2, 4), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"\[batch, tokens"):
+        solve(f, torch.zeros(3))
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("max_iter", 0, "max_iter': must be >= 1"),
+    ("damping", 1.5, "damping': must lie in (0, 1]"),
+    ("stop_quantile", 1.0, "stop_quantile': must lie in [0, 1)"),
+    ("anderson", 1, "anderson': is the Anderson window"),
+    ("backward", "adjoint", "backward': must be one of 'implicit'"),
+    ("tol", "small", "tol': expected a number"),
+    ("max_iter", 2.5, "max_iter': expected an integer"),
+    ("freeze", True, "freeze': unknown key for SolverConfig (did you mean 'solver.freeze_converged'?)"),
+])
+def test_nonsense_solver_config_names_the_key(key, value, needle):
+    with pytest.raises(ConfigError) as info:
+        from_dict(SolverConfig, {key: value}, "solver")
+    assert needle in str(info.value)
