@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fpscale.errors import check
+from fpscale.models.config import ModelConfig
 from fpscale.solvers.config import SolverConfig
 from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
 
@@ -20,11 +21,17 @@ from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
 class Config:
     name: str = "run"
     seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)   # default for every looped layer
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.name) and "/" not in self.name, "name",
               f"must be a non-empty run name without '/', got {self.name!r}")
+        # every layer's solver overrides must form a valid solver config
+        from fpscale.models.lm import layer_solver
+        for i, spec in enumerate(self.model.layers):
+            if spec.solver:
+                layer_solver(self.solver, spec.solver, f"model.layers.{i}.solver")
 
 
 def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Config:

@@ -1,0 +1,101 @@
+"""Functional building blocks shared by every layer type: norms, RoPE, causal attention,
+SwiGLU, spectral normalisation. Plain PyTorch on tensors, so a layer can run a whole
+fixed-point solve inside one ``forward`` on its own parameters (what ZeRO-3 needs).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional GPU fast path
+    from flash_attn import flash_attn_func  # type: ignore
+except Exception:  # pragma: no cover - not installable on CPU machines
+    flash_attn_func = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [T, head_dim/2] for the given absolute positions."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    ang = positions.float()[:, None] * inv[None]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, H, T, dh] by position (pairs of halves, as in GPT-NeoX/Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Causal attention of q [B, H, Tq, dh] over k, v [B, H, Tk, dh] with Tk >= Tq.
+
+    The query block sits at the end of the key sequence (decoding with a cache): the mask is
+    aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature).
+    flash-attn is used on CUDA for fp16/bf16 with a scalar scale; SDPA otherwise.
+    """
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    per_head = isinstance(scale, torch.Tensor)
+    if (flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and not per_head):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                              softmax_scale=scale)
+        return out.transpose(1, 2)
+    if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
+        q = q * scale.view(1, -1, 1, 1).to(q.dtype)
+        scale = 1.0
+    if Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    B, T, D = x.shape
+    return x.view(B, T, D // head_dim, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    B, H, T, dh = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * dh)
+
+
+def swiglu_hidden(d_model: int, mlp_ratio: float, multiple_of: int = 16) -> int:
+    hidden = int(mlp_ratio * d_model)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def spectral_normalize(w: torch.Tensor, u: torch.Tensor, n_iter: int, update: bool) -> torch.Tensor:
+    """w / sigma_max(w) with a persistent power-iteration vector ``u`` (updated in place).
+
+    As in torch's spectral_norm: the power iteration runs without grad; sigma = u^T W v
+    carries the gradient. ``u`` has shape [w.shape[0]].
+    """
+    if update:
+        with torch.no_grad():
+            for _ in range(n_iter):
+                v = F.normalize(w.t() @ u, dim=0, eps=1e-12)
+                u.copy_(F.normalize(w @ v, dim=0, eps=1e-12))
+    v = F.normalize(w.t() @ u, dim=0, eps=1e-12).detach()
+    sigma = torch.dot(u.detach(), w @ v)
+    return w / sigma
+
+
+def init_linear(w: torch.Tensor, std: float) -> None:
+    torch.nn.init.normal_(w, mean=0.0, std=std)

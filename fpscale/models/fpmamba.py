@@ -1,0 +1,110 @@
+"""``fpmamba``: the FP-Mamba mixer iterated in depth (seed 002, section 4 and App. C).
+
+With u = SiLU(conv(x W_x)) the static input channels, G = SiLU(x W_g) the gate, and y the
+previous iterate (y^0 = 0), one application of f is
+    y_s     = y shifted one step in time (y_{t-1}, zero at t = 0)
+    x~_t    = Q_t (u_t - y_t) + y_t                      Q_t: channel mixer (fpscale.models.mixers)
+    B_t, C_t = normalize(W_B^x u_t + W_B^y y_s),  likewise C
+    Delta_t = softplus(W_dt (W_d^x u_t + W_d^y y_s) + b_dt),  lambda_t = exp(-Delta_t A)
+    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (chunked parallel scan)
+    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )
+and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
+the converged y of the last token, and iterates only the new token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fpscale.models.common import RMSNorm, init_linear
+from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.models.mixers import apply_mixer, make_mixer_params
+from fpscale.models.scan import chunked_scan
+
+
+class FPMambaMixer(FixedPointLayer):
+    def __init__(self, d_model: int, spec, solver, init_std: float, out_std: float, norm_eps: float = 1e-6):
+        super().__init__(solver)
+        di, N = spec.expand * d_model, spec.d_state
+        self.d_inner, self.d_state, self.d_conv = di, N, spec.d_conv
+        self.dt_rank = max(1, math.ceil(d_model / 16))
+        self.mixer, self.negative_eigs, self.y_feedback = spec.mixer, spec.negative_eigs, spec.y_feedback
+        self.norm_eps = norm_eps
+        self.channel_sum = lambda t: t           # all-reduce over TP ranks when channels are sharded
+        self.w_in = torch.nn.Parameter(torch.empty(2 * di, d_model))
+        self.conv_w = torch.nn.Parameter(torch.randn(di, 1, spec.d_conv) / spec.d_conv ** 0.5)
+        self.conv_b = torch.nn.Parameter(torch.zeros(di))
+        self.x_proj = torch.nn.Parameter(torch.empty(self.dt_rank + 2 * N, di))
+        self.y_proj = torch.nn.Parameter(torch.zeros(self.dt_rank + 2 * N, di)) if spec.y_feedback else None
+        self.dt_proj = torch.nn.Parameter(torch.empty(di, self.dt_rank))
+        # Mamba's init: dt in [1e-3, 1e-1] log-uniformly, A_n = n
+        dt = torch.exp(torch.rand(di) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_bias = torch.nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))
+        self.D = torch.nn.Parameter(torch.ones(di))
+        self.out_norm_w = torch.nn.Parameter(torch.ones(di))
+        self.w_out = torch.nn.Parameter(torch.empty(d_model, di))
+        for w in (self.w_in, self.x_proj):
+            init_linear(w, init_std)
+        init_linear(self.dt_proj, self.dt_rank ** -0.5)
+        init_linear(self.w_out, out_std)
+        for name, p in make_mixer_params(spec.mixer, di, spec.mixer_rank, spec.y_feedback, init_std).items():
+            self.register_parameter(name, p)
+
+    def mixer_params(self) -> dict:
+        return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}
+
+    def _rms(self, t: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over all d_inner channels (sums go through channel_sum under TP)."""
+        ms = self.channel_sum(t.float().pow(2).sum(-1, keepdim=True)) / self.d_inner
+        return (t.float() * torch.rsqrt(ms + self.norm_eps)).to(t.dtype) * self.out_norm_w
+
+    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False):
+        """One application of f: y -> y_new (and the final scan state)."""
+        y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
+                         y[:, :-1]], 1)
+        y_c = y_s if self.y_feedback else None
+        x_t = apply_mixer(self.mixer, self.mixer_params(), u - y, u, y_c, self.negative_eigs,
+                          self.channel_sum) + y
+        proj = F.linear(u, self.x_proj)
+        if self.y_proj is not None:
+            proj = proj + F.linear(y_s, self.y_proj)
+        proj = self.channel_sum(proj)            # x_proj is row-parallel under TP
+        dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
+        Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
+        delta = F.softplus(F.linear(dt_low, self.dt_proj) + self.dt_bias)             # [B, T, di]
+        lam = torch.exp(-delta.unsqueeze(-1) * self.A_log.exp())                       # [B, T, di, N]
+        h = chunked_scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
+        y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
+        return (y_new, h[:, -1]) if return_state else y_new
+
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        xc, g = F.linear(x, self.w_in).chunk(2, dim=-1)
+        T = xc.shape[1]
+        past = cache.get("conv") if cache else None
+        window = torch.cat([past, xc], 1) if past is not None else F.pad(xc, (0, 0, self.d_conv - 1, 0))
+        u = F.silu(F.conv1d(window.transpose(1, 2), self.conv_w, self.conv_b, groups=self.d_inner)
+                   .transpose(1, 2)[:, -T:])
+        gate = F.silu(g)
+        y_prev = cache.get("y") if cache else None
+        h0 = cache.get("h") if cache else None
+        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0), torch.zeros_like(u))
+        if cache is not None:
+            with torch.no_grad():
+                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
+            cache.update(conv=window[:, -(self.d_conv - 1):].detach() if self.d_conv > 1 else window[:, :0],
+                         h=h_last, y=y[:, -1].detach())
+        return F.linear(y, self.w_out)
+
+
+class FPMambaBlock(torch.nn.Module):
+    def __init__(self, cfg, spec, index: int, solver):
+        super().__init__()
+        out_std = cfg.init_std / (2 * len(cfg.expanded_layers())) ** 0.5
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, out_std, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        return x + self.mixer(self.norm(x), pos, cache)

@@ -1,0 +1,91 @@
+"""``fpsa``: fixed-point self-attention (seed 000, decoder variant of its App. J).
+
+    h = norm(x),  V = h W_V  (static),  Z_0 = h
+    Z_{k+1} = concat_heads( softmax(Q_k K_k^T * tau_h / sqrt(d_h) + causal) V ) W_O,
+              Q_k = rope(Z_k W_Q~),  K_k = rope(Z_k W_K~),  W~ = W / sigma_max(W)
+    out = x + Z*,  then the MLP sublayer (outside the loop)
+
+The causal mask is applied in every iteration; converged tokens may be frozen (selective
+update, ``solver.freeze_converged``); the backward is implicit by default. With a cache,
+past tokens contribute their converged K and static V, and only new tokens are iterated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fpscale.models.attn import MLP
+from fpscale.models.common import (RMSNorm, apply_rope, causal_attention, init_linear, merge_heads,
+                                   rope_tables, spectral_normalize, split_heads)
+from fpscale.models.fixed_point import FixedPointLayer
+
+
+class FPSAttention(FixedPointLayer):
+    def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
+                 solver, spectral_norm: bool = True, temperature: bool = True, power_iters: int = 1):
+        super().__init__(solver)
+        self.head_dim = d_model // n_heads
+        self.rope_theta = rope_theta
+        self.spectral_norm, self.power_iters = spectral_norm, power_iters
+        self.w_q = torch.nn.Parameter(torch.empty(d_model, d_model))
+        self.w_k = torch.nn.Parameter(torch.empty(d_model, d_model))
+        self.w_v = torch.nn.Parameter(torch.empty(d_model, d_model))
+        self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
+        for w in (self.w_q, self.w_k, self.w_v):
+            init_linear(w, init_std)
+        init_linear(self.w_o, out_std)
+        self.log_temp = torch.nn.Parameter(torch.zeros(n_heads)) if temperature else None
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("u_q", F.normalize(torch.randn(d_model, generator=g), dim=0))
+        self.register_buffer("u_k", F.normalize(torch.randn(d_model, generator=g), dim=0))
+
+    def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.spectral_norm:
+            return self.w_q, self.w_k
+        update = self.training and torch.is_grad_enabled()
+        return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update),
+                spectral_normalize(self.w_k, self.u_k, self.power_iters, update))
+
+    def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        wq, wk = self.qk_weights()
+        v = split_heads(F.linear(h, self.w_v), self.head_dim)
+        past_k = cache.get("k") if cache is not None else None
+        past_v = cache.get("v") if cache is not None else None
+        v_all = v if past_v is None else torch.cat([past_v, v], 2)
+        positions = torch.arange(pos, pos + h.shape[1], device=h.device)
+        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta, h.dtype)
+        scale = self.head_dim ** -0.5
+        if self.log_temp is not None:      # one temperature per (local) head
+            scale = self.log_temp.exp() * scale
+
+        def keys(z):
+            return apply_rope(split_heads(F.linear(z, wk), self.head_dim), cos, sin)
+
+        def f(z):
+            q = apply_rope(split_heads(F.linear(z, wq), self.head_dim), cos, sin)
+            k = keys(z)
+            k_all = k if past_k is None else torch.cat([past_k, k], 2)
+            return F.linear(merge_heads(causal_attention(q, k_all, v_all, scale)), self.w_o)
+
+        z = self.fixed_point(f, h)
+        if cache is not None:
+            with torch.no_grad():
+                k_new = keys(z.detach())
+            cache["k"] = k_new if past_k is None else torch.cat([past_k, k_new], 2)
+            cache["v"] = v_all.detach()
+        return z
+
+
+class FPSABlock(torch.nn.Module):
+    def __init__(self, cfg, spec, index: int, solver):
+        super().__init__()
+        out_std = cfg.init_std / (2 * len(cfg.expanded_layers())) ** 0.5
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = FPSAttention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, solver,
+                                 spectral_norm=spec.spectral_norm, temperature=spec.temperature)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), pos, cache)
+        return x + self.mlp(self.norm2(x))

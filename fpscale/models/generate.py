@@ -1,0 +1,46 @@
+"""Decoding: greedy or sampled, with caches (only new tokens are iterated) or without.
+
+    out = fpscale.generate(model, prompt, max_new_tokens=32)                   # greedy, cached
+    out, logits = fpscale.generate(model, prompt, 32, use_cache=False, return_logits=True)
+"""
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             use_cache: bool = True, top_k: int | None = None, generator: torch.Generator | None = None,
+             return_logits: bool = False):
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    was_training = model.training
+    model.eval()
+    try:
+        caches = model.new_caches() if use_cache else None
+        logits = model(tokens, caches=caches)[:, -1]
+        steps = []
+        for i in range(max_new_tokens):
+            steps.append(logits)
+            if temperature == 0.0:
+                nxt = logits.argmax(-1)
+            else:
+                scaled = logits.float() / temperature
+                if top_k is not None:
+                    kth = scaled.topk(top_k, -1).values[:, -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            if i == max_new_tokens - 1:
+                break
+            if use_cache:
+                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1)[:, -1]
+            else:
+                logits = model(tokens)[:, -1]
+    finally:
+        model.train(was_training)
+    return (tokens, torch.stack(steps, 1) if steps else logits[:, :0]) if return_logits else tokens

@@ -1,0 +1,101 @@
+"""The decoder LM: embeddings -> the configured stack of layers -> RMSNorm -> logits.
+
+    model = fpscale.build_model(cfg)          # cfg: fpscale.Config (model + solver sections)
+    logits = model(tokens)                    # [B, T] -> [B, T, vocab]
+    loss = model.loss(tokens, targets)
+    model.solver_stats()                      # {"layers.1.fpsa": SolverStats, ...} of the last forward
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fpscale.models.attn import AttnBlock
+from fpscale.models.caps import draw_cap
+from fpscale.models.common import RMSNorm
+from fpscale.models.config import ModelConfig
+from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.models.fpmamba import FPMambaBlock
+from fpscale.models.fpsa import FPSABlock
+from fpscale.models.looped import LoopedCore
+from fpscale.solvers import SolverConfig, SolverStats
+from fpscale.typed import from_dict, to_dict
+
+
+def layer_solver(base: SolverConfig, overrides: dict, key: str) -> SolverConfig:
+    """The top-level solver section with one layer's ``solver`` overrides applied."""
+    return from_dict(SolverConfig, {**to_dict(base), **overrides}, key)
+
+
+class LoopedLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, solver: SolverConfig | None = None, seed: int = 0):
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+        solver = solver or SolverConfig()
+        self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
+        torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        layers = []
+        index = 0
+        for i, spec in enumerate(cfg.layers):
+            for _ in range(spec.repeat):
+                if spec.type == "attn":
+                    layers.append(AttnBlock(cfg, spec, index))
+                else:
+                    s = layer_solver(solver, spec.solver, f"model.layers.{i}.solver")
+                    block = {"fpsa": FPSABlock, "fpmamba": FPMambaBlock, "looped": LoopedCore}[spec.type]
+                    layers.append(block(cfg, spec, index, s))
+                index += 1
+        self.layers = torch.nn.ModuleList(layers)
+        self.layer_types = [spec.type for spec in cfg.expanded_layers()]
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None
+        if not cfg.tie_embeddings:
+            self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
+
+    # -- the forward pass -------------------------------------------------------------------
+    def hidden(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if pos + tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {pos + tokens.shape[1]} tokens exceeds model.max_seq_len = "
+                             f"{self.cfg.max_seq_len}")
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, caches[i] if caches is not None else None)
+        return self.norm(x)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head
+
+    def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0) -> torch.Tensor:
+        return F.linear(self.hidden(tokens, caches, pos), self.head_weight())
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    # -- what the trainer and the decoder need ----------------------------------------------
+    def fixed_point_layers(self) -> dict[str, FixedPointLayer]:
+        return {f"layers.{i}.{self.layer_types[i]}": m for i, layer in enumerate(self.layers)
+                for m in layer.modules() if isinstance(m, FixedPointLayer)}
+
+    def solver_stats(self) -> dict[str, SolverStats]:
+        return {name: m.last_stats for name, m in self.fixed_point_layers().items() if m.last_stats is not None}
+
+    def set_step(self, step: int) -> None:
+        """Draw this step's randomised caps (the same on every rank)."""
+        for i, (name, m) in enumerate(self.fixed_point_layers().items()):
+            m.cap = draw_cap(self.cfg.iteration_cap, m.solver.max_iter, self.seed, step, i)
+
+    def new_caches(self) -> list[dict]:
+        return [{} for _ in self.layers]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg) -> LoopedLM:
+    """Build the LM from a full :class:`fpscale.Config` (model + solver) or a ModelConfig."""
+    if isinstance(cfg, ModelConfig):
+        return LoopedLM(cfg)
+    return LoopedLM(cfg.model, cfg.solver, cfg.seed)

@@ -1,0 +1,101 @@
+"""``looped``: an FPRM core (seed 004) of L pre-norm sublayers iterated as a whole.
+
+    inside a pass:   z^l = a1 z^{l-1} + b1 f^l(z^{l-1}),  l = 1..L   (f^l: attention or MLP)
+    between passes:  z_{i+1}^0 = a2 z_i^L + b2 x~      (x~ = x, plus a causal depthwise conv of x)
+    b2 = 1 - a2 a1^L,   b1 = b2 (1 - a1) / (1 - a1^L)   (Theorem 1: bounded iterates)
+The fixed-point map is one pass, F(s) = pass(a2 s + b2 x~), from s_0 = 0; a1, a2 are learnable in
+(0, 1). The layer returns s* (prelude -> core -> coda: the coda reads the core's state).
+
+Its parameters are stacked over the ``core_blocks`` blocks and used functionally, so the whole
+solve runs inside this module's single forward (ZeRO-3 gathers them once). Decoding caches
+the converged K/V of past tokens for every attention sublayer of the core.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fpscale.models.common import (apply_rope, causal_attention, init_linear, merge_heads, rms_norm,
+                                   rope_tables, split_heads, swiglu_hidden)
+from fpscale.models.fixed_point import FixedPointLayer
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+class LoopedCore(FixedPointLayer):
+    def __init__(self, cfg, spec, index: int, solver):
+        super().__init__(solver)
+        d, L = cfg.d_model, spec.core_blocks
+        hidden = swiglu_hidden(d, cfg.mlp_ratio)
+        self.blocks, self.head_dim, self.rope_theta, self.eps = L, d // cfg.n_heads, cfg.rope_theta, cfg.norm_eps
+        out_std = cfg.init_std / (2 * L) ** 0.5
+        self.attn_norm = torch.nn.Parameter(torch.ones(L, d))
+        self.w_qkv = torch.nn.Parameter(torch.empty(L, 3 * d, d))
+        self.w_o = torch.nn.Parameter(torch.empty(L, d, d))
+        self.mlp_norm = torch.nn.Parameter(torch.ones(L, d))
+        self.w_gate = torch.nn.Parameter(torch.empty(L, hidden, d))
+        self.w_up = torch.nn.Parameter(torch.empty(L, hidden, d))
+        self.w_down = torch.nn.Parameter(torch.empty(L, d, hidden))
+        for w in (self.w_qkv, self.w_gate, self.w_up):
+            init_linear(w, cfg.init_std)
+        for w in (self.w_o, self.w_down):
+            init_linear(w, out_std)
+        self.a1_logit = torch.nn.Parameter(torch.tensor(_logit(spec.a1_init)))
+        self.a2_logit = torch.nn.Parameter(torch.tensor(_logit(spec.a2_init)))
+        self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, 4)) if spec.conv else None
+
+    def scalings(self) -> tuple[torch.Tensor, ...]:
+        """(a1, b1, a2, b2) with L = 2 * core_blocks sublayers."""
+        a1, a2 = torch.sigmoid(self.a1_logit), torch.sigmoid(self.a2_logit)
+        a1L = a1 ** (2 * self.blocks)
+        b2 = 1 - a2 * a1L
+        b1 = b2 * (1 - a1) / (1 - a1L)
+        return a1, b1, a2, b2
+
+    def attention(self, l: int, z, cos, sin, past: dict | None):
+        q, k, v = (split_heads(t, self.head_dim)
+                   for t in F.linear(rms_norm(z, self.attn_norm[l], self.eps), self.w_qkv[l]).chunk(3, -1))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past:
+            k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
+        return F.linear(merge_heads(causal_attention(q, k, v)), self.w_o[l]), k, v
+
+    def mlp(self, l: int, z):
+        h = rms_norm(z, self.mlp_norm[l], self.eps)
+        return F.linear(F.silu(F.linear(h, self.w_gate[l])) * F.linear(h, self.w_up[l]), self.w_down[l])
+
+    def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None):
+        a1, b1, _, _ = self.scalings()
+        for l in range(self.blocks):
+            out, k, v = self.attention(l, z, cos, sin, caches[l] if caches else None)
+            if collect is not None:
+                collect.append((k, v))
+            z = a1 * z + b1 * out
+            z = a1 * z + b1 * self.mlp(l, z)
+        return z
+
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        if self.conv_w is not None:
+            past = cache.get("conv") if cache else None
+            window = torch.cat([past, x], 1) if past is not None else F.pad(x, (0, 0, 3, 0))
+            x_in = x + F.conv1d(window.transpose(1, 2), self.conv_w, groups=x.shape[-1]).transpose(1, 2)[:, -x.shape[1]:]
+        else:
+            x_in = x
+        positions = torch.arange(pos, pos + x.shape[1], device=x.device)
+        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta, x.dtype)
+        caches = cache.get("kv") if cache else None
+        _, _, a2, b2 = self.scalings()
+        inject = b2 * x_in
+        s = self.fixed_point(lambda s: self.one_pass(a2 * s + inject, cos, sin, caches), torch.zeros_like(x))
+        if cache is not None:
+            collected: list = []
+            with torch.no_grad():
+                self.one_pass(a2 * s.detach() + inject, cos, sin, caches, collected)
+            cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
+            if self.conv_w is not None:
+                cache["conv"] = window[:, -3:].detach()
+        return s

@@ -1,0 +1,99 @@
+"""Input-dependent channel mixers Q_t of FP-Mamba (seed 002, section 3 and App. C).
+
+Each mixer acts on v in R^{d_inner} per token and is conditioned on (x_t, y_{t-1}):
+  householder  Q = prod_i (I - a_i u_i u_i^T),   a_i in (0, 1)  [or (0, 2): negative eigenvalues]
+  dplr         Q = I - sum_i a_i u_i u_i^T,      a_i in (0, 1/r)
+  kronecker    Q = I - a K1 (x) K2,              K = M M^T / (bound on lambda_max), a in (0, 1)
+  none         Q = I
+u_i = normalize(U_x x + U_y y),  a_i = sigmoid(w_x . x + w_y . y + b_i). Theorem 3.1 wants
+||I - Q|| < 1, which every choice keeps except Householder with negative eigenvalues.
+
+Sums over channels (u . v, ||u||) go through ``channel_sum`` so that a tensor-parallel run,
+where each rank holds a slice of the channels, can all-reduce them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fpscale.models.config import kronecker_factors
+
+# a_i = sigmoid(-2) ~ 0.12 at initialisation: Q starts near I, so the feedback of the previous
+# iterate into x~ = Q(x - y) + y starts weak (a contraction) and training can strengthen it.
+MIX_BIAS_INIT = -2.0
+
+
+def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool, std: float) -> dict[str, torch.nn.Parameter]:
+    def p(*shape, scale=std):
+        return torch.nn.Parameter(torch.randn(*shape) * scale)
+
+    if kind in ("householder", "dplr"):
+        params = {"mix_u_x": p(rank * d_inner, d_inner), "mix_a_x": p(rank, d_inner),
+                  "mix_a_b": torch.nn.Parameter(torch.full((rank,), MIX_BIAS_INIT))}
+        if y_feedback:
+            params.update(mix_u_y=p(rank * d_inner, d_inner), mix_a_y=p(rank, d_inner))
+        return params
+    if kind == "kronecker":
+        d1, d2 = kronecker_factors(d_inner)
+        params = {"mix_k1_x": p(d1 * d1, d_inner), "mix_k2_x": p(d2 * d2, d_inner),
+                  "mix_a_x": p(1, d_inner), "mix_a_b": torch.nn.Parameter(torch.full((1,), MIX_BIAS_INIT))}
+        if y_feedback:
+            params.update(mix_k1_y=p(d1 * d1, d_inner), mix_k2_y=p(d2 * d2, d_inner), mix_a_y=p(1, d_inner))
+        return params
+    return {}
+
+
+def _proj(params, name, x, y):
+    out = F.linear(x, params[f"mix_{name}_x"])
+    if y is not None and f"mix_{name}_y" in params:
+        out = out + F.linear(y, params[f"mix_{name}_y"])
+    return out
+
+
+def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
+    """K = M M^T divided by an upper bound of its largest eigenvalue, per token.
+
+    Power iteration approaches lambda_max from below, which would leave ||K|| > 1; repeated
+    squaring bounds it from above: lambda_max(K) <= ||K^(2^s)||_F^(2^-s), within a factor
+    n^(2^-(s+1)) of lambda_max. Each square is renormalised, so nothing overflows.
+    """
+    k = m @ m.transpose(-1, -2)
+    c = torch.linalg.matrix_norm(k).clamp_min(1e-12)
+    log_bound = c.log()
+    p = k / c[..., None, None]
+    for j in range(1, squarings + 1):
+        p = p @ p
+        cj = torch.linalg.matrix_norm(p).clamp_min(1e-30)
+        log_bound = log_bound + cj.log() / 2 ** j
+        p = p / cj[..., None, None]
+    return k / log_bound.exp()[..., None, None]
+
+
+def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None,
+                negative_eigs: bool = False, channel_sum=lambda t: t) -> torch.Tensor:
+    """Q_t v for v, x, y of shape [B, T, d_inner]."""
+    if kind == "none":
+        return v
+    if kind in ("householder", "dplr"):
+        B, T, di = v.shape
+        rank = params["mix_a_b"].shape[0]
+        u = _proj(params, "u", x, y).view(B, T, rank, di)
+        u = u * torch.rsqrt(channel_sum(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
+        a = torch.sigmoid(channel_sum(_proj(params, "a", x, y)) + params["mix_a_b"])   # [B, T, rank]
+        if kind == "householder":
+            a = 2 * a if negative_eigs else a
+            for i in range(rank):
+                ui = u[:, :, i]
+                v = v - a[..., i:i + 1] * ui * channel_sum((ui * v).sum(-1, keepdim=True))
+            return v
+        dots = channel_sum((u * v.unsqueeze(2)).sum(-1, keepdim=True))           # [B, T, rank, 1]
+        return v - ((a / rank).unsqueeze(-1) * dots * u).sum(2)
+    if kind == "kronecker":
+        B, T, di = v.shape
+        d1, d2 = kronecker_factors(di)
+        k1 = _normalized_psd(_proj(params, "k1", x, y).view(B, T, d1, d1))
+        k2 = _normalized_psd(_proj(params, "k2", x, y).view(B, T, d2, d2))
+        a = torch.sigmoid(_proj(params, "a", x, y) + params["mix_a_b"])            # [B, T, 1]
+        kv = (k1 @ v.view(B, T, d1, d2) @ k2.transpose(-1, -2)).reshape(B, T, di)
+        return v - a * kv
+    raise ValueError(f"unknown channel mixer {kind!r}")

@@ -1,0 +1,48 @@
+"""The linear recurrence h_t = a_t * h_{t-1} + b_t of the selective scan, in plain PyTorch.
+
+``chunked_scan`` is a parallel scan: a Hillis-Steele doubling scan (log2(chunk) elementwise
+steps) inside each chunk, and a sequential carry between chunks. It never divides by a
+cumulative product, so it is stable for any decay in [0, 1]. ``sequential_scan`` is the
+step-by-step reference it is tested against. mamba-ssm's CUDA kernel is not used here: its
+fused interface computes C^T h itself and returns no per-step state, so fpscale keeps its own
+scan on every device.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sequential_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
+    """a, b: [B, T, ...] -> h: [B, T, ...] with h_t = a_t h_{t-1} + b_t."""
+    h = torch.zeros_like(b[:, 0]) if h0 is None else h0
+    out = []
+    for t in range(a.shape[1]):
+        h = a[:, t] * h + b[:, t]
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+def _doubling_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive scan along dim 1 of the affine maps (a, b); returns (prod a, h from h0 = 0)."""
+    T = a.shape[1]
+    shift = 1
+    while shift < T:
+        a_prev = torch.cat([torch.ones_like(a[:, :shift]), a[:, :-shift]], 1)
+        b_prev = torch.cat([torch.zeros_like(b[:, :shift]), b[:, :-shift]], 1)
+        b = a * b_prev + b
+        a = a * a_prev
+        shift *= 2
+    return a, b
+
+
+def chunked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None,
+                 chunk: int = 64) -> torch.Tensor:
+    """Same result as :func:`sequential_scan`, parallel within chunks of ``chunk`` steps."""
+    outs = []
+    carry = h0
+    for start in range(0, a.shape[1], chunk):
+        ca, cb = _doubling_scan(a[:, start:start + chunk], b[:, start:start + chunk])
+        h = cb if carry is None else cb + ca * carry.unsqueeze(1)
+        outs.append(h)
+        carry = h[:, -1]
+    return torch.cat(outs, 1)
