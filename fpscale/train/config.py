@@ -1,0 +1,45 @@
+"""Training section of the run config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fpscale.errors import check
+
+
+@dataclass
+class TrainConfig:
+    """global_batch = micro_batch x grad_accum x data-parallel size (checked at launch).
+
+    lr schedule: linear warm-up for ``warmup`` steps, then cosine to ``min_lr`` at ``steps``.
+    Weight decay skips 1-D parameters (norms, biases, scalars) and embeddings.
+    """
+
+    steps: int = 300
+    micro_batch: int = 8
+    grad_accum: int = 1
+    global_batch: int = 8
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8
+    out_dir: str = "runs"
+
+    def validate(self, prefix: str = "train") -> None:
+        for name in ("steps", "micro_batch", "grad_accum", "global_batch", "log_interval", "eval_interval",
+                     "eval_batches"):
+            check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check(self.warmup >= 0, f"{prefix}.warmup", f"must be >= 0, got {self.warmup}")
+        check(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr",
+              f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        check(self.global_batch % (self.micro_batch * self.grad_accum) == 0, f"{prefix}.global_batch",
+              f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
+              f"of {self.micro_batch} x {self.grad_accum} = {self.micro_batch * self.grad_accum}")
+        check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")

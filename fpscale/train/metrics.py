@@ -1,0 +1,76 @@
+"""Run metrics: one JSON object per logged step in metrics.jsonl, the same scalars in
+TensorBoard, a console line with ETA. Per fixed-point layer: iteration statistics."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+
+def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
+    """Aggregate per-step solver stats of each layer over a log interval."""
+    out = {}
+    for name, rows in history.items():
+        its = np.array([r["iterations"] for r in rows], dtype=float)
+        out[name] = {
+            "iters_mean": float(its.mean()), "iters_median": float(np.median(its)),
+            "iters_p90": float(np.percentile(its, 90)), "iters_max": float(its.max()),
+            "residual_p50": float(np.mean([r["residual_p50"] for r in rows])),
+            "residual_p90": float(np.mean([r["residual_p90"] for r in rows])),
+            "converged_fraction": float(np.mean([r["converged_fraction"] for r in rows])),
+            "eta": float(np.mean([r["eta"] for r in rows])),
+        }
+        if "backward_iterations" in rows[-1]:
+            out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.tb = None
+        self.file = None
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.t0 = time.time()
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        for key, value in record.items():
+            if key in ("step", "kind") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        for layer, stats in record.get("layers", {}).items():
+            for key, value in stats.items():
+                self.tb.add_scalar(f"solver/{layer}/{key}", value, step)
+        self.tb.flush()
+
+    def console(self, step: int, total: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.time() - self.t0
+        eta = elapsed / max(step, 1) * (total - step)
+        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{s['iters_mean']:.1f}"
+                         for name, s in record.get("layers", {}).items())
+        print(f"step {step:>6}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+              f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
+              f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}", flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            self.tb.close()
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

@@ -1,0 +1,143 @@
+"""The training loop. Single process here; the distributed launcher wraps the same loop.
+
+    python launch/pretrain.py --config configs/tiny_fpsa.yaml train.steps=50
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import yaml
+
+from fpscale.config import Config, config_to_dict
+from fpscale.data.loader import DistributedBatches, validation_batches
+from fpscale.models import build_model
+from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
+from fpscale.train.schedule import lr_at
+
+
+def build_datasets(cfg: Config):
+    """(train, validation) datasets for the configured source."""
+    d = cfg.data
+    if d.source == "synthetic":
+        from fpscale.data.synthetic import SyntheticTask
+        return (SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed, d.period),
+                SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed + 1_000_003, d.period))
+    from fpscale.data.shards import TokenShards
+    train = TokenShards(d.path, "train", d.seq_len)
+    val = TokenShards(d.path, "val", d.seq_len)
+    train.check_vocab(cfg.model.vocab_size)
+    return train, val
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; skip 1-D parameters (norms, biases, scalars) and embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or "embed" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = batch.to(device) if device is not None else batch
+    return batch[:, :-1], batch[:, 1:]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, log: bool = True):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = build_model(cfg).to(self.device)
+        self.train_ds, self.val_ds = build_datasets(cfg)
+        t = cfg.train
+        self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, seed=cfg.seed)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
+                                           betas=(t.beta1, t.beta2))
+        self.step = 0
+        self.run_dir = os.path.join(t.out_dir, cfg.name)
+        self.metrics = MetricsWriter(self.run_dir, enabled=log)
+        if log:
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
+                yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+
+    def autocast(self):
+        """bf16 autocast for ``train.precision: bf16`` (parameters and optimizer stay fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.train.precision == "bf16")
+
+    def train_step(self) -> dict:
+        t = self.cfg.train
+        model = self.model
+        model.train()
+        model.set_step(self.step)
+        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup, t.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = self.batches.next_global_batch()
+        total = 0.0
+        layer_stats: dict[str, list[dict]] = {}
+        for batch in micro_batches:
+            inputs, targets = split_batch(batch, self.device)
+            with self.autocast():
+                loss = model.loss(inputs, targets) / len(micro_batches)
+            loss.backward()
+            total += float(loss.detach())
+            for name, stats in model.solver_stats().items():
+                layer_stats.setdefault(name, []).append(stats.to_dict())
+        params = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf")))
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": total, "lr": lr, "grad_norm": grad_norm, "layer_stats": layer_stats,
+                "tokens": sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        t = self.cfg.train
+        self.model.eval()
+        losses, layer_stats = [], {}
+        for batch in validation_batches(self.val_ds, t.micro_batch, t.eval_batches):
+            inputs, targets = split_batch(batch, self.device)
+            with self.autocast():
+                losses.append(float(self.model.loss(inputs, targets)))
+            for name, stats in self.model.solver_stats().items():
+                layer_stats.setdefault(name, []).append(stats.to_dict())
+        loss = sum(losses) / len(losses)
+        return {"step": self.step, "kind": "val", "val_loss": loss, "val_ppl": perplexity(loss),
+                "layers": summarize_layers(layer_stats)}
+
+    def train(self) -> list[dict]:
+        t = self.cfg.train
+        history: list[dict] = []
+        window: dict[str, list[dict]] = {}
+        tokens, t_last = 0, time.perf_counter()
+        while self.step < t.steps:
+            out = self.train_step()
+            tokens += out["tokens"]
+            for name, rows in out["layer_stats"].items():
+                window.setdefault(name, []).extend(rows)
+            if self.step % t.log_interval == 0 or self.step == t.steps:
+                now = time.perf_counter()
+                record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
+                          "lr": out["lr"], "grad_norm": out["grad_norm"],
+                          "tokens_per_s": tokens / max(now - t_last, 1e-9),
+                          "layers": summarize_layers(window)}
+                self.metrics.log(record)
+                self.metrics.console(self.step, t.steps, record)
+                history.append(record)
+                window, tokens, t_last = {}, 0, now
+            if self.step % t.eval_interval == 0 or self.step == t.steps:
+                record = self.evaluate()
+                self.metrics.log(record, prefix="val")
+                history.append(record)
+                if self.metrics.enabled:
+                    print(f"validation at step {self.step}: loss {record['val_loss']:.4f} "
+                          f"ppl {record['val_ppl']:.2f}", flush=True)
+        self.metrics.close()
+        return history
