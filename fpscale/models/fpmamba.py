@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fpscale.models.common import RMSNorm, init_linear
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, make_mixer_params
-from fpscale.models.scan import chunked_scan
+from fpscale.models.scan import scan
 
 
 class FPMambaMixer(FixedPointLayer):
@@ -76,7 +76,7 @@ class FPMambaMixer(FixedPointLayer):
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(F.linear(dt_low, self.dt_proj) + self.dt_bias)             # [B, T, di]
         lam = torch.exp(-delta.unsqueeze(-1) * self.A_log.exp())                       # [B, T, di, N]
-        h = chunked_scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
+        h = scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
         y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
         return (y_new, h[:, -1]) if return_state else y_new
 

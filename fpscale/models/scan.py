@@ -1,5 +1,10 @@
 """The linear recurrence h_t = a_t * h_{t-1} + b_t of the selective scan, in plain PyTorch.
 
+``scan`` is what the layers call: a custom autograd function whose backward is the adjoint
+recurrence run backwards in time (delta_t = g_t + a_{t+1} delta_{t+1}; da_t = delta_t h_{t-1};
+db_t = delta_t), itself one more scan. It saves only a and h for backward, instead of every
+level of the doubling scan.
+
 ``chunked_scan`` is a parallel scan: a Hillis-Steele doubling scan (log2(chunk) elementwise
 steps) inside each chunk, and a sequential carry between chunks. It never divides by a
 cumulative product, so it is stable for any decay in [0, 1]. ``sequential_scan`` is the
@@ -46,3 +51,28 @@ def chunked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = Non
         outs.append(h)
         carry = h[:, -1]
     return torch.cat(outs, 1)
+
+
+class _Scan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, h0, chunk):
+        h = chunked_scan(a, b, h0, chunk)
+        ctx.chunk = chunk
+        ctx.has_h0 = h0 is not None
+        ctx.save_for_backward(a, h, h0 if h0 is not None else torch.empty(0))
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        a, h, h0 = ctx.saved_tensors
+        a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], 1)       # a_{t+1}, 0 after the end
+        delta = chunked_scan(a_next.flip(1), grad_h.flip(1), None, ctx.chunk).flip(1)
+        start = h0.unsqueeze(1) if ctx.has_h0 else torch.zeros_like(h[:, :1])
+        h_prev = torch.cat([start, h[:, :-1]], 1)
+        grad_h0 = a[:, 0] * delta[:, 0] if ctx.has_h0 else None
+        return delta * h_prev, delta, grad_h0, None
+
+
+def scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, chunk: int = 16) -> torch.Tensor:
+    """h_t = a_t h_{t-1} + b_t along dim 1, with a memory-lean backward."""
+    return _Scan.apply(a, b, h0, chunk)

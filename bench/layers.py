@@ -1,0 +1,118 @@
+"""Per layer type at equal width: forward+backward time per token, bytes saved for backward,
+median solver iterations (ratios to ``attn``); and the largest micro-batch whose saved
+activations fit a memory budget, implicit vs unrolled backward.
+
+    python bench/layers.py                               # d=256 T=256 B=4 on CPU
+    python bench/layers.py --d 768 --T 2048 --B 8        # on a GPU
+
+Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
+they are the same on every device. The micro-batch column extrapolates the bytes measured at
+B and 2B (saved bytes are affine in B) to the budget.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import print_table, write_json  # noqa: E402
+
+from fpscale.models import LayerSpec, ModelConfig  # noqa: E402
+from fpscale.models.lm import LoopedLM  # noqa: E402
+from fpscale.profiling import count_saved_bytes  # noqa: E402
+from fpscale.solvers import SolverConfig  # noqa: E402
+
+# each type with the solver settings its tiny config ships with
+SPECS = {
+    "attn": dict(type="attn"),
+    "fpsa": dict(type="fpsa", solver={"freeze_converged": True, "backward": "implicit", "backward_max_iter": 20,
+                                      "backward_tol": 1e-3}),
+    "fpmamba": dict(type="fpmamba", d_state=16, solver={"tol": 0.1, "patience": 3, "decay": 0.5, "backward": "jfb"}),
+    "looped": dict(type="looped", core_blocks=1, solver={"backward": "phantom", "phantom_steps": 2}),
+}
+
+
+def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig):
+    cfg = ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[LayerSpec(**SPECS[kind])])
+    torch.manual_seed(0)
+    return LoopedLM(cfg, solver).layers[0]
+
+
+def run(block, x):
+    """Saved bytes, fwd+bwd seconds, iterations of one training step of ``block``."""
+    params = tuple(block.parameters())
+    xi = x.clone().requires_grad_()
+    t0 = time.perf_counter()
+    with count_saved_bytes(exclude=(xi, *params)) as counter:
+        out = block(xi)
+    out.float().pow(2).mean().backward()
+    elapsed = time.perf_counter() - t0
+    stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
+    return counter.total, elapsed, (stats[0].iterations if stats else 1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--T", type=int, default=256)
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-iter", type=int, default=30)
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(args.B, args.T, args.d)
+    base = SolverConfig(max_iter=args.max_iter, tol=1e-3, stop_quantile=0.0, patience=5, decay=0.7)
+    rows = []
+    for kind in SPECS:
+        block = build_block(kind, args.d, args.heads, args.T, base)
+        block.train()
+        run(block, x)                                                     # warm-up
+        results = [run(block, x) for _ in range(args.repeats)]
+        saved = results[0][0]
+        fp = [m for m in block.modules() if hasattr(m, "solver") and hasattr(m, "last_stats")]
+        rows.append({"layer": kind, "backward": fp[0].solver.backward if fp else "-", "median_iters": statistics.median(r[2] for r in results),
+                     "saved_MiB": saved / 2 ** 20,
+                     "us_per_token": 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)})
+    ref = rows[0]
+    for r in rows:
+        r["saved_x_attn"] = r["saved_MiB"] / ref["saved_MiB"]
+        r["time_x_attn"] = r["us_per_token"] / ref["us_per_token"]
+    print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol 1e-3, "
+          f"max_iter {args.max_iter})")
+    print_table(rows, ["layer", "backward", "median_iters", "saved_MiB", "saved_x_attn", "us_per_token", "time_x_attn"])
+
+    # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
+    budget = args.budget_gib * 2 ** 30
+    fit_rows = []
+    for kind in ("fpsa", "fpmamba", "looped"):
+        for mode in ("implicit", "unroll"):
+            cfg = SolverConfig(max_iter=16, tol=0.0, patience=0, backward=mode, backward_max_iter=8,
+                               mask_unconverged=False)
+            block = build_block(kind, args.d, args.heads, args.T, cfg)
+            for m in block.modules():           # the layer's own overrides must not mask the mode
+                if hasattr(m, "solver") and hasattr(m, "last_stats"):
+                    m.solver = cfg
+            b1 = run(block, x[:1])[0]
+            b2 = run(block, torch.cat([x[:1], x[:1]]))[0]
+            per_sample, fixed = b2 - b1, 2 * b1 - b2
+            fit_rows.append({"layer": kind, "backward": mode, "MiB_per_sample": per_sample / 2 ** 20,
+                             "max_micro_batch": int((budget - fixed) // per_sample)})
+    for kind in ("fpsa", "fpmamba", "looped"):
+        imp, unr = [r for r in fit_rows if r["layer"] == kind]
+        imp["gain_x"] = imp["max_micro_batch"] / max(unr["max_micro_batch"], 1)
+    print(f"\nlargest micro-batch whose saved activations fit {args.budget_gib} GiB (16 iterations, T={args.T})")
+    print_table(fit_rows, ["layer", "backward", "MiB_per_sample", "max_micro_batch", "gain_x"])
+    write_json("layers", {"args": vars(args), "layer_rows": rows, "micro_batch_rows": fit_rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
