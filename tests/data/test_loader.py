@@ -1,0 +1,67 @@
+"""The global order: DP-size independence, exact resume, fixed validation batches."""
+import numpy as np
+import pytest
+import torch
+
+from fpscale.data.loader import DistributedBatches, validation_batches
+from fpscale.data.shards import TokenShards
+
+
+@pytest.fixture(scope="module")
+def shards(prepared):
+    return TokenShards(prepared + "/tokens", "train", 16)
+
+
+def test_samples_are_windows_of_the_stream(shards):
+    stream = np.concatenate([a for a in shards.arrays])
+    for i in (0, 1, shards.num_samples // 2, shards.num_samples - 1):   # some cross shard boundaries
+        assert np.array_equal(shards.sample(i), stream[i * 16: i * 16 + 17])
+    assert shards.num_samples == (len(stream) - 1) // 16
+
+
+def global_batches(shards, dp, steps, consumed=0, micro=2, global_batch=8):
+    ranks = [DistributedBatches(shards, global_batch, micro, r, dp, seed=7, consumed_samples=consumed)
+             for r in range(dp)]
+    out = []
+    for _ in range(steps):
+        parts = [torch.cat(r.next_global_batch()) for r in ranks]
+        out.append(torch.cat(parts))
+    return out, ranks
+
+
+def test_union_over_ranks_is_the_same_for_dp_1_2_4(shards):
+    one, _ = global_batches(shards, 1, 6)
+    for dp in (2, 4):
+        other, ranks = global_batches(shards, dp, 6)
+        for a, b in zip(one, other):
+            assert torch.equal(a, b)
+        assert len({r.state().fingerprint for r in ranks}) == 1
+
+
+def test_resume_continues_the_stream_exactly(shards):
+    full, ranks = global_batches(shards, 2, 10)
+    state = ranks[0].state()
+    assert state.consumed_samples == 80
+    resumed, _ = global_batches(shards, 4, 6, consumed=32)         # resume at n = 32 on another DP size
+    for a, b in zip(full[4:], resumed):
+        assert torch.equal(a, b)
+
+
+def test_epochs_wrap_with_a_new_permutation(shards):
+    n = shards.num_samples
+    loader = DistributedBatches(shards, 8, 8, seed=1)
+    first = loader.order.indices(0, n)
+    second = loader.order.indices(n, n)
+    assert sorted(first) == sorted(second) == list(range(n)) and not np.array_equal(first, second)
+
+
+def test_validation_batches_are_fixed(prepared):
+    val = TokenShards(prepared + "/tokens", "val", 16)
+    a = validation_batches(val, 2, 3)
+    b = validation_batches(val, 2, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_batch_geometry_names_the_numbers(shards):
+    with pytest.raises(ValueError, match="global batch 10 is not a multiple of micro batch 2 x data-parallel size 4"):
+        DistributedBatches(shards, 10, 2, 0, 4)
