@@ -17,8 +17,12 @@ if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
     quiet $PIP install setuptools wheel
     quiet $PIP install --no-build-isolation "deepspeed==0.19.8"
 fi
-if ! .venv/bin/python -c "import fpscale, pytest, pytest_timeout" 2>/dev/null; then
+# (re)install fpscale whenever pyproject.toml changed since the last install
+stamp=".venv/.fpscale-pyproject.sha256"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[setup] installing fpscale and its dependencies"
     quiet $PIP install -e ".[dev]"
+    echo "$want" > "$stamp"
 fi
-.venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')" 2>&1 | grep "^\[setup\]"
+DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')" 2>&1 | grep "^\[setup\]"

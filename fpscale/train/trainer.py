@@ -139,5 +139,22 @@ class Trainer:
                 if self.metrics.enabled:
                     print(f"validation at step {self.step}: loss {record['val_loss']:.4f} "
                           f"ppl {record['val_ppl']:.2f}", flush=True)
+                    for name, st in record["layers"].items():
+                        print(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
+                              f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
+                              f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}", flush=True)
         self.metrics.close()
+        if self.metrics.enabled:
+            self.export_weights(os.path.join(self.run_dir, "final"))
         return history
+
+    def export_weights(self, folder: str) -> None:
+        """Final weights as safetensors plus the resolved config (read by launch/generate.py)."""
+        from safetensors.torch import save_file
+        os.makedirs(folder, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        if self.model.lm_head is None:
+            state.pop("lm_head", None)
+        save_file(state, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.yaml"), "w") as fh:
+            yaml.safe_dump(config_to_dict(self.cfg), fh, sort_keys=False)
