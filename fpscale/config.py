@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from fpscale.data.config import DataConfig
 from fpscale.errors import check
 from fpscale.models.config import ModelConfig
+from fpscale.parallel.config import ParallelConfig
 from fpscale.solvers.config import SolverConfig
 from fpscale.train.config import TrainConfig
 from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
@@ -27,6 +28,7 @@ class Config:
     solver: SolverConfig = field(default_factory=SolverConfig)   # default for every looped layer
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.name) and "/" not in self.name, "name",

@@ -25,4 +25,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     quiet $PIP install -e ".[dev]"
     echo "$want" > "$stamp"
 fi
+# DeepSpeed JIT-builds its shared-memory comm op on the first CPU run (~1 min): build it now
+if .venv/bin/python -c "import torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)"; then
+    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 \
+        | grep -E "^\[setup\]|rror" || true
+fi
 DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')" 2>&1 | grep "^\[setup\]"

@@ -81,9 +81,11 @@ class DistributedBatches:
 
 
 def validation_batches(dataset, batch_size: int, num_batches: int, dp_rank: int = 0, dp_size: int = 1):
-    """The same validation batches every time: the first samples, in order, split over ranks."""
-    total = batch_size * num_batches
-    n = min(total, dataset.num_samples)
-    idx = np.arange(n)
-    mine = idx[dp_rank::dp_size]
-    return [dataset.batch(mine[i:i + batch_size]) for i in range(0, len(mine), batch_size)]
+    """The same validation batches every time: the first samples in order, whole batches dealt
+    round-robin to the ranks, so every batch is the same on any DP size (a looped layer's
+    solve depends on which samples share its batch). The count is rounded down to a multiple
+    of dp_size: under ZeRO-3 every rank must run the same number of forwards."""
+    n = min(batch_size * num_batches, dataset.num_samples)
+    batches = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    batches = batches[: max(dp_size, len(batches) - len(batches) % dp_size)]
+    return [dataset.batch(b) for b in batches[dp_rank::dp_size]]

@@ -67,12 +67,16 @@ class LoopedLM(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head
 
-    def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0) -> torch.Tensor:
-        return F.linear(self.hidden(tokens, caches, pos), self.head_weight())
+    def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; with ``targets``, the mean cross-entropy instead."""
+        logits = F.linear(self.hidden(tokens, caches, pos), self.head_weight())
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return self(tokens, targets=targets)
 
     # -- what the trainer and the decoder need ----------------------------------------------
     def fixed_point_layers(self) -> dict[str, FixedPointLayer]:
@@ -91,7 +95,8 @@ class LoopedLM(torch.nn.Module):
         return [{} for _ in self.layers]
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameter count (also when ZeRO-3 has partitioned the tensors)."""
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
 
 
 def build_model(cfg) -> LoopedLM:

@@ -44,8 +44,8 @@ class LoopedCore(FixedPointLayer):
             init_linear(w, cfg.init_std)
         for w in (self.w_o, self.w_down):
             init_linear(w, out_std)
-        self.a1_logit = torch.nn.Parameter(torch.tensor(_logit(spec.a1_init)))
-        self.a2_logit = torch.nn.Parameter(torch.tensor(_logit(spec.a2_init)))
+        self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))   # [1]: DeepSpeed cannot broadcast 0-dim
+        self.a2_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a2_init)]))
         self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, 4)) if spec.conv else None
 
     def scalings(self) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,8 @@ from fpscale.errors import check
 
 @dataclass
 class TrainConfig:
-    """global_batch = micro_batch x grad_accum x data-parallel size (checked at launch).
+    """global_batch = micro_batch x grad_accum x data-parallel size. ``grad_accum: 0`` (default)
+    derives the accumulation from the other three at launch; a set value must agree with them.
 
     lr schedule: linear warm-up for ``warmup`` steps, then cosine to ``min_lr`` at ``steps``.
     Weight decay skips 1-D parameters (norms, biases, scalars) and embeddings.
@@ -17,7 +18,7 @@ class TrainConfig:
 
     steps: int = 300
     micro_batch: int = 8
-    grad_accum: int = 1
+    grad_accum: int = 0
     global_batch: int = 8
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -33,13 +34,24 @@ class TrainConfig:
     out_dir: str = "runs"
 
     def validate(self, prefix: str = "train") -> None:
-        for name in ("steps", "micro_batch", "grad_accum", "global_batch", "log_interval", "eval_interval",
-                     "eval_batches"):
+        check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
+        for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_interval", "eval_batches"):
             check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
         check(self.warmup >= 0, f"{prefix}.warmup", f"must be >= 0, got {self.warmup}")
         check(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr",
               f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        check(self.global_batch % (self.micro_batch * self.grad_accum) == 0, f"{prefix}.global_batch",
+        per_rank = self.micro_batch * max(self.grad_accum, 1)
+        check(self.global_batch % per_rank == 0, f"{prefix}.global_batch",
               f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
-              f"of {self.micro_batch} x {self.grad_accum} = {self.micro_batch * self.grad_accum}")
+              f"of {self.micro_batch} x {max(self.grad_accum, 1)} = {per_rank}")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
+
+
+def resolve_grad_accum(t: TrainConfig, dp_size: int) -> int:
+    """The gradient-accumulation steps for this data-parallel size, or an error naming the numbers."""
+    per_step = t.micro_batch * dp_size
+    if t.global_batch % per_step or (t.grad_accum and t.global_batch != per_step * t.grad_accum):
+        accum = t.grad_accum or f"global_batch / ({t.micro_batch} x {dp_size})"
+        raise ValueError(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "
+                         f"train.grad_accum ({accum}) x data-parallel size ({dp_size})")
+    return t.global_batch // per_step

@@ -1,6 +1,8 @@
-"""The training loop. Single process here; the distributed launcher wraps the same loop.
+"""The training loop: one process with torch's AdamW, or several through the DeepSpeed engine
+(ZeRO stage from ``parallel.zero_stage``), with the same optimizer, schedule and data order.
 
     python launch/pretrain.py --config configs/tiny_fpsa.yaml train.steps=50
+    deepspeed --num_gpus 2 launch/pretrain.py --config configs/tiny_mixed.yaml
 """
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.models import build_model
+from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
+from fpscale.train.config import resolve_grad_accum
 from fpscale.train.schedule import lr_at
 
 
@@ -46,19 +51,47 @@ def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tupl
     return batch[:, :-1], batch[:, 1:]
 
 
+def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
+    t = cfg.train
+    return {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        # fpscale passes torch's AdamW: no fused-Adam JIT build, the same update as one process
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+
+
 class Trainer:
-    def __init__(self, cfg: Config, log: bool = True):
+    def __init__(self, cfg: Config, log: bool = True, state: ParallelState | None = None):
         self.cfg = cfg
+        t = cfg.train
+        self.state = state or init_parallel(1, cfg.parallel.timeout_s)
+        self.grad_accum = resolve_grad_accum(t, self.state.dp_size)
         torch.manual_seed(cfg.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = self.state.device
         self.model = build_model(cfg).to(self.device)
         self.train_ds, self.val_ds = build_datasets(cfg)
-        t = cfg.train
-        self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, seed=cfg.seed)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr,
-                                           betas=(t.beta1, t.beta2))
+        self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, self.state.dp_rank,
+                                          self.state.dp_size, seed=cfg.seed)
+        optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        self.engine = None
+        if self.state.distributed:
+            import deepspeed
+            if cfg.parallel.zero_stage == 3 and self.model.lm_head is None:
+                # the tied embedding is read again by the output projection, outside its module
+                deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
+            self.engine, optimizer, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=optimizer, config=deepspeed_config(cfg, self.grad_accum),
+                mpu=self.state if self.state.tp_size > 1 else None)
+        self.optimizer = optimizer
         self.step = 0
         self.run_dir = os.path.join(t.out_dir, cfg.name)
+        log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log)
         if log:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
@@ -82,33 +115,58 @@ class Trainer:
         layer_stats: dict[str, list[dict]] = {}
         for batch in micro_batches:
             inputs, targets = split_batch(batch, self.device)
-            with self.autocast():
-                loss = model.loss(inputs, targets) / len(micro_batches)
-            loss.backward()
-            total += float(loss.detach())
+            if self.engine is not None:        # DeepSpeed scales by the accumulation steps itself
+                loss = self.engine(inputs, targets=targets)
+                self.engine.backward(loss)
+                self.engine.step()
+                total += float(loss.detach()) / len(micro_batches)
+            else:
+                with self.autocast():
+                    loss = model(inputs, targets=targets) / len(micro_batches)
+                loss.backward()
+                total += float(loss.detach())
             for name, stats in model.solver_stats().items():
                 layer_stats.setdefault(name, []).append(stats.to_dict())
-        params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf")))
-        if torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine is not None:
+            grad_norm = float(self.engine.get_global_grad_norm())
+            total = self.dp_mean(total)
+        else:
+            params = [p for p in model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf")))
+            if torch.isfinite(torch.tensor(grad_norm)):
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"loss": total, "lr": lr, "grad_norm": grad_norm, "layer_stats": layer_stats,
-                "tokens": sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
+                "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
+
+    def dp_mean(self, value: float) -> float:
+        """Mean of a per-rank scalar over the data-parallel group (the global-batch value)."""
+        if not self.state.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.state.dp_group)
+        return float(t) / self.state.dp_size
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         t = self.cfg.train
         self.model.eval()
-        losses, layer_stats = [], {}
-        for batch in validation_batches(self.val_ds, t.micro_batch, t.eval_batches):
+        forward = self.engine if self.engine is not None else self.model
+        total, count, layer_stats = 0.0, 0, {}
+        for batch in validation_batches(self.val_ds, t.micro_batch, t.eval_batches, self.state.dp_rank,
+                                        self.state.dp_size):
             inputs, targets = split_batch(batch, self.device)
             with self.autocast():
-                losses.append(float(self.model.loss(inputs, targets)))
+                total += float(forward(inputs, targets=targets)) * batch.shape[0]
+            count += batch.shape[0]
             for name, stats in self.model.solver_stats().items():
                 layer_stats.setdefault(name, []).append(stats.to_dict())
-        loss = sum(losses) / len(losses)
+        if self.state.distributed:
+            sums = torch.tensor([total, count], dtype=torch.float64)
+            dist.all_reduce(sums, group=self.state.dp_group)
+            total, count = float(sums[0]), float(sums[1])
+        loss = total / count
         return {"step": self.step, "kind": "val", "val_loss": loss, "val_ppl": perplexity(loss),
                 "layers": summarize_layers(layer_stats)}
 

@@ -1,0 +1,4 @@
+"""Parallelism, kept out of the model code: process groups and the DeepSpeed model-parallel unit."""
+from fpscale.parallel.state import ParallelState, init_parallel
+
+__all__ = ["ParallelState", "init_parallel"]

@@ -1,0 +1,104 @@
+"""Process groups for tensor x data parallelism, and the ``mpu`` DeepSpeed asks for.
+
+Ranks are laid out TP-major: the TP group of rank r is the ``tp`` consecutive ranks around it
+(so TP stays inside a node), its DP group the ranks with the same TP rank.
+
+    state = init_parallel(tp_size=2)      # reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM's variables)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_group: object = None
+    dp_group: object = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- the model-parallel unit deepspeed.initialize(mpu=...) expects ------------------------
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self):
+        return self.dp_size
+
+
+def env_from_slurm() -> None:
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK from SLURM when a launcher did not set them."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
+    """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and the TP x DP groups.
+
+    Without launcher variables this is a single process and nothing is initialised.
+    ``timeout_s`` bounds every collective: a peer that died makes the others fail, not hang.
+    """
+    env_from_slurm()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if world == 1 and tp_size == 1:
+        return ParallelState(device=device)
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    tp_rank, dp_rank, dp_size = rank % tp_size, rank // tp_size, world // tp_size
+    tp_group = dp_group = None
+    for k in range(dp_size):                         # every rank must create every group
+        g = dist.new_group(list(range(k * tp_size, (k + 1) * tp_size)))
+        if k == dp_rank:
+            tp_group = g
+    for t in range(tp_size):
+        g = dist.new_group(list(range(t, world, tp_size)))
+        if t == tp_rank:
+            dp_group = g
+    return ParallelState(rank, world, local_rank, tp_size, tp_rank, dp_size, dp_rank, tp_group, dp_group, device)

@@ -1,0 +1,42 @@
+"""Start multi-process runs for the tests with a timeout, and clean up what they started."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group and fail."""
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout} s (killed):\n{out[-3000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def torchrun(nproc: int, script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    return run(cmd, timeout)
+
+
+def read_ranks(out_dir: str) -> list[dict]:
+    files = sorted(f for f in os.listdir(out_dir) if f.startswith("rank"))
+    return [json.load(open(os.path.join(out_dir, f))) for f in files]

@@ -1,0 +1,46 @@
+"""Train a few steps on one layout and write what each rank saw (used by the layout tests).
+
+    torchrun --nproc_per_node 2 tests/parallel/run_layout.py OUT_DIR zero_stage=3 [key=value ...]
+    python tests/parallel/run_layout.py OUT_DIR                         # the one-process reference
+Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence).
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import fpscale  # noqa: E402
+from fpscale.train.trainer import Trainer  # noqa: E402
+
+BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
+        "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
+        "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0"]
+
+
+def main():
+    out, args = sys.argv[1], sys.argv[2:]
+    zero = [a.split("=")[1] for a in args if a.startswith("zero_stage=")]
+    rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
+    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol="))]
+    if zero:
+        overrides.append(f"parallel.zero_stage={zero[0]}")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank_tol:
+        tol = rank_tol[0].split(",")[rank]
+        overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
+    cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_mixed.yaml"),
+                              overrides)
+    trainer = Trainer(cfg, log=False)
+    steps = []
+    for _ in range(cfg.train.steps):
+        s = trainer.train_step()
+        steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"],
+                      "iterations": {k: [r["iterations"] for r in v] for k, v in s["layer_stats"].items()}})
+    val = trainer.evaluate()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size}, fh)
+
+
+if __name__ == "__main__":
+    main()
