@@ -8,9 +8,9 @@ level of the doubling scan.
 ``chunked_scan`` is a parallel scan: a Hillis-Steele doubling scan (log2(chunk) elementwise
 steps) inside each chunk, and a sequential carry between chunks. It never divides by a
 cumulative product, so it is stable for any decay in [0, 1]. ``sequential_scan`` is the
-step-by-step reference it is tested against. mamba-ssm's CUDA kernel is not used here: its
-fused interface computes C^T h itself and returns no per-step state, so fpscale keeps its own
-scan on every device.
+step-by-step reference it is tested against. mamba-ssm's ``selective_scan_fn`` (which returns
+C^T h + D u and the last state, without an initial state) could serve the full-sequence path on
+GPU; it is not wired in yet because no GPU was available to check it against this scan.
 """
 from __future__ import annotations
 
