@@ -114,28 +114,31 @@ def test_anderson_converges_faster_to_the_same_point():
 
 def test_freezing_keeps_frozen_tokens_bit_identical():
     rates = torch.tensor([0.1, 0.5, 0.8, 0.95], dtype=torch.float64).view(1, 4, 1)
-    inputs = []
+
+    def g(z):                                   # tokens converge at different rates and interact
+        return rates * z + (1 - rates) + 1e-3 * z.mean(1, keepdim=True)
+
+    iterates = []                               # iterates[k] is the input of the (k+1)-th step: z_k
 
     def f(z):
-        inputs.append(z.clone())
-        return rates * z + (1 - rates) + 1e-3 * z.mean(1, keepdim=True)   # tokens interact
+        iterates.append(z.clone())
+        return g(z)
 
-    z, stats = solve(f, torch.zeros(1, 4, 3, dtype=torch.float64),
-                     SolverConfig(max_iter=500, tol=1e-4, freeze_converged=True, patience=0), training=False)
-    assert stats.stopped_by == "converged"
-    outputs = [f_out for f_out in inputs]   # inputs[k] is z_k, the iterate after k steps
+    with torch.no_grad():   # no implicit-backward application of f: only the iterations are recorded
+        z, stats = solve(f, torch.zeros(1, 4, 3, dtype=torch.float64),
+                         SolverConfig(max_iter=500, tol=1e-4, freeze_converged=True, patience=0))
+    assert stats.stopped_by == "converged" and len(iterates) == stats.iterations
     for t in range(4):
-        res = [float((torch.abs(f(inp)[0, t] - inp[0, t]).max() / torch.abs(f(inp)[0, t]).max()).detach())
-               for inp in outputs[:]]
-        k = next(i for i, r in enumerate(res) if r < 1e-4)   # first step at which token t converged
-        for later in outputs[k + 1:]:
-            assert torch.equal(later[0, t], outputs[k + 1][0, t])
-        assert torch.equal(z[0, t], outputs[k + 1][0, t])
+        res = [float((g(zk)[0, t] - zk[0, t]).abs().max() / g(zk)[0, t].abs().max()) for zk in iterates]
+        k = next(i for i, r in enumerate(res) if r < 1e-4)   # the step at which token t converged
+        for later in iterates[k + 1:]:                       # frozen from z_{k+1} on
+            assert torch.equal(later[0, t], iterates[k + 1][0, t])
+        assert torch.equal(z[0, t], iterates[k + 1][0, t])
     # without freezing, the fast token keeps moving (the assertion above can fail)
-    inputs.clear()
-    solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4, patience=0),
-          training=False)
-    assert not torch.equal(inputs[-1][0, 0], inputs[-2][0, 0])
+    iterates.clear()
+    with torch.no_grad():
+        solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4, patience=0))
+    assert not torch.equal(iterates[-1][0, 0], iterates[-2][0, 0])
 
 
 def test_nonfinite_residual_stops_and_keeps_last_finite_iterate():
