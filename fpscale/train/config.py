@@ -32,6 +32,7 @@ class TrainConfig:
     eval_interval: int = 100
     eval_batches: int = 8
     out_dir: str = "runs"
+    peak_tflops: float = 0.0      # device peak for MFU; 0 = known GPUs (H100/H200/A100), else no MFU
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
@@ -44,6 +45,7 @@ class TrainConfig:
         check(self.global_batch % per_rank == 0, f"{prefix}.global_batch",
               f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
               f"of {self.micro_batch} x {max(self.grad_accum, 1)} = {per_rank}")
+        check(self.peak_tflops >= 0, f"{prefix}.peak_tflops", f"must be >= 0 (0 = auto), got {self.peak_tflops}")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
 
 

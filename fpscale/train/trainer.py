@@ -19,6 +19,7 @@ from fpscale.models import build_model
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import resolve_grad_accum
+from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.schedule import lr_at
 
 
@@ -140,6 +141,33 @@ class Trainer:
         return {"loss": total, "lr": lr, "grad_norm": grad_norm, "layer_stats": layer_stats,
                 "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
 
+    def compute_record(self, layers: dict[str, dict], tokens_per_s: float) -> dict:
+        """TFLOP/s and MFU, nominal (one iteration per looped layer) and executed, and memory."""
+        fp = {int(name.split(".")[1]): m for name, m in self.model.fixed_point_layers().items()}
+        stats, modes, steps = [], [], []
+        for i, kind in enumerate(self.model.layer_types):
+            summary = layers.get(f"layers.{i}.{kind}")
+            stats.append(None if i not in fp or summary is None else
+                         {"iterations": summary["iters_mean"],
+                          "backward_iterations": summary.get("backward_iters_mean", 0.0)})
+            modes.append(fp[i].solver.backward if i in fp else "-")
+            steps.append(fp[i].solver.phantom_steps if i in fp else 1)
+        nominal, executed = training_flops(self.cfg.model, self.cfg.data.seq_len, stats, modes, steps)
+        world = self.state.world_size
+        out = {"flops_per_token_nominal": nominal, "flops_per_token_executed": executed,
+               "tflops_nominal": nominal * tokens_per_s / 1e12 / world,       # per device
+               "tflops_executed": executed * tokens_per_s / 1e12 / world}
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        peak = peak_tflops(name, self.cfg.train.precision, self.cfg.train.peak_tflops)
+        if peak:
+            out["mfu_nominal"], out["mfu_executed"] = out["tflops_nominal"] / peak, out["tflops_executed"] / peak
+        if self.device.type == "cuda":
+            out["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+        else:
+            import resource
+            out["memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
+        return out
+
     def dp_mean(self, value: float) -> float:
         """Mean of a per-rank scalar over the data-parallel group (the global-batch value)."""
         if not self.state.distributed:
@@ -182,10 +210,11 @@ class Trainer:
                 window.setdefault(name, []).extend(rows)
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 now = time.perf_counter()
+                tokens_per_s = tokens / max(now - t_last, 1e-9)
+                layers = summarize_layers(window)
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
-                          "lr": out["lr"], "grad_norm": out["grad_norm"],
-                          "tokens_per_s": tokens / max(now - t_last, 1e-9),
-                          "layers": summarize_layers(window)}
+                          "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+                          **self.compute_record(layers, tokens_per_s), "layers": layers}
                 self.metrics.log(record)
                 self.metrics.console(self.step, t.steps, record)
                 history.append(record)

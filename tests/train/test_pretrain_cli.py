@@ -34,7 +34,8 @@ def test_pretrain_cli_writes_run_directory(tmp_path):
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/val_loss",
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/val_loss", "train/ppl",
+            "train/tflops_nominal", "train/tflops_executed", "train/memory_gib",
             "solver/layers.1.fpsa/iters_mean"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [3, 6]
     assert fpscale.load_config(str(run / "config.yaml")).data.seq_len == 16
