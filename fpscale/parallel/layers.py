@@ -1,0 +1,85 @@
+"""Tensor-parallel building blocks on sharded weights (functional, like the model code).
+
+    column_parallel_linear   W split by output rows: y_local = x W_local^T      (input copied)
+    row_parallel_linear      W split by input columns: y = sum_ranks x_local W_local^T
+    vocab_parallel_embedding the table split by vocabulary rows; the ranks' lookups are summed
+    vocab_parallel_cross_entropy  CE over vocabulary-sharded logits; full logits never gathered
+Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them once in
+the gradient norm) and ``partition_dim``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
+
+
+def shard(weight: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous slice of ``weight`` along ``dim`` (must divide evenly)."""
+    if weight.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {weight.shape[dim]} is not divisible by the TP size {world}")
+    return weight.chunk(world, dim=dim)[rank].clone()
+
+
+def mark_tensor_parallel(p: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
+    p.tensor_model_parallel = True
+    p.partition_dim = dim
+    return p
+
+
+def column_parallel_linear(x: torch.Tensor, w_local: torch.Tensor, group) -> torch.Tensor:
+    return F.linear(copy_to_tp(x, group), w_local)
+
+
+def row_parallel_linear(x_local: torch.Tensor, w_local: torch.Tensor, group) -> torch.Tensor:
+    return reduce_from_tp(F.linear(x_local, w_local), group)
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, table_local: torch.Tensor, group) -> torch.Tensor:
+    rank = 0 if group is None else dist.get_rank(group)
+    n = table_local.shape[0]
+    start = rank * n
+    local = tokens - start
+    outside = (local < 0) | (local >= n)
+    out = F.embedding(local.masked_fill(outside, 0), table_local)
+    return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross-entropy of [N, V/tp] logits over the TP group; ignore_index = -100."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        ctx.dtype = logits.dtype if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        rank = 0 if group is None else dist.get_rank(group)
+        n_local = logits.shape[-1]
+        start = rank * n_local
+        gmax = _all_reduce(logits.max(dim=-1).values.detach(), group, dist.ReduceOp.MAX)
+        shifted = logits - gmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(-1), group)
+        valid = targets != -100
+        local = targets - start
+        mine = valid & (local >= 0) & (local < n_local)
+        idx = local.clamp(0, n_local - 1)
+        target_logit = torch.where(mine, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1),
+                                   torch.zeros_like(sum_exp))
+        target_logit = _all_reduce(target_logit, group)
+        losses = (sum_exp.log() - target_logit) * valid
+        count = valid.sum().clamp_min(1)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), idx, mine, valid, count)
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, mine, valid, count = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        grad = grad * (valid.unsqueeze(-1) * (g / count))
+        return grad.to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    return _VocabParallelCE.apply(logits_local, targets, group)
