@@ -52,7 +52,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group):
-        ctx.dtype = logits.dtype if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        ctx.dtype = logits.dtype
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         rank = 0 if group is None else dist.get_rank(group)
         n_local = logits.shape[-1]
         start = rank * n_local

@@ -70,6 +70,14 @@ def main(out):
     assert torch.allclose(loss.double(), ref, **TOL), (float(loss), float(ref))
     assert torch.allclose(ls.grad, shard(ld.grad, 1, rank, world), **TOL)
 
+    # bf16 logits: the loss is computed in fp32, the gradient comes back in bf16
+    lb = shard(logits, 1, rank, world).to(torch.bfloat16).requires_grad_()
+    loss16 = vocab_parallel_cross_entropy(lb, targets, group)
+    loss16.backward()
+    ref16 = F.cross_entropy(logits.to(torch.bfloat16).float(), targets, ignore_index=-100)
+    assert loss16.dtype == torch.float32 and abs(float(loss16) - float(ref16)) < 1e-5
+    assert lb.grad.dtype == torch.bfloat16
+
     dist.barrier()
     if rank == 0:
         open(os.path.join(out, "ok"), "w").write("ok")
