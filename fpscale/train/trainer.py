@@ -114,11 +114,16 @@ class Trainer:
         micro_batches = self.batches.next_global_batch()
         total = 0.0
         layer_stats: dict[str, list[dict]] = {}
-        for batch in micro_batches:
+        grad_norm = None
+        for i, batch in enumerate(micro_batches):
             inputs, targets = split_batch(batch, self.device)
             if self.engine is not None:        # DeepSpeed scales by the accumulation steps itself
                 loss = self.engine(inputs, targets=targets)
                 self.engine.backward(loss)
+                if i == len(micro_batches) - 1 and self.cfg.parallel.zero_stage == 0:
+                    # ZeRO-0 reports no norm: the gradients are all-reduced by now, take it before the step
+                    grad_norm = float(torch.nn.utils.get_total_norm(
+                        [p.grad for p in model.parameters() if p.grad is not None]))
                 self.engine.step()
                 total += float(loss.detach()) / len(micro_batches)
             else:
@@ -129,7 +134,8 @@ class Trainer:
             for name, stats in model.solver_stats().items():
                 layer_stats.setdefault(name, []).append(stats.to_dict())
         if self.engine is not None:
-            grad_norm = float(self.engine.get_global_grad_norm())
+            if grad_norm is None:
+                grad_norm = float(self.engine.get_global_grad_norm())
             total = self.dp_mean(total)
         else:
             params = [p for p in model.parameters() if p.grad is not None]

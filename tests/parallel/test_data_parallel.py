@@ -1,4 +1,4 @@
-"""Data parallelism through DeepSpeed ZeRO 1/2/3 against one process (tiny_mixed: every layer type)."""
+"""Data parallelism through DeepSpeed ZeRO 0/1/2/3 against one process (tiny_mixed: every layer type)."""
 import sys
 
 import pytest
@@ -17,7 +17,7 @@ def reference(tmp_path_factory):
     return ref
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_dp2_matches_one_process(tmp_path, reference, zero_stage):
     torchrun(2, SCRIPT, [str(tmp_path), f"zero_stage={zero_stage}"])
     ranks = read_ranks(str(tmp_path))

@@ -1,0 +1,120 @@
+"""Data-parallel layouts: tokens/s and bytes communicated per step beside the theoretical volume.
+
+    python bench/scaling.py                      # tiny_mixed: one process, DP2 x ZeRO 0/1/2/3
+    python bench/scaling.py --config configs/tiny_attn.yaml --steps 8
+
+Each layout trains under torchrun (gloo on CPU) with DeepSpeed's comms logger on; after warm-up
+the logged collectives of the timed steps are turned into ring traffic per rank:
+all-reduce of m bytes -> 2(n-1)/n m, reduce-scatter of m -> (n-1)/n m, all-gather of a local
+part m -> (n-1) m. DeepSpeed's expected volume per step, with P the bytes of the parameters
+(fp32 gradients), is (n-1)/n P times 2 (ZeRO-0: all-reduce), 3 (ZeRO-1: all-reduce, then
+all-gather of the updated partitions), 2 (ZeRO-2: reduce-scatter + all-gather), 3 (ZeRO-3:
+reduce-scatter + an all-gather in forward and in backward).
+Tensor-parallel layouts join this table when the parallelize step lands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+EXPECTED = {0: 2, 1: 3, 2: 2, 3: 3}
+
+
+def worker(args) -> None:
+    """Runs inside each process of one layout."""
+    import torch.distributed as dist
+
+    import fpscale
+    from fpscale.train.trainer import Trainer
+    overrides = [f"train.steps={args.warmup + args.steps}", "train.log_interval=100000",
+                 "train.eval_interval=100000", f"parallel.zero_stage={args.zero}"]
+    cfg = fpscale.load_config(args.config, overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import deepspeed.comm as dscomm
+        from fpscale.train import trainer as trainer_mod
+        base = trainer_mod.deepspeed_config
+        trainer_mod.deepspeed_config = lambda c, a: {**base(c, a), "comms_logger": {"enabled": True, "prof_all": True,
+                                                                                      "verbose": False}}
+    trainer = Trainer(cfg, log=False)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    world = trainer.state.world_size
+    if world > 1:
+        dscomm.comms_logger.comms_dict.clear()
+        dist.barrier()
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(args.steps):
+        tokens += trainer.train_step()["tokens"]
+    elapsed = time.perf_counter() - t0
+    traffic, logged = 0.0, {}
+    if world > 1:
+        n = world
+        for op, sizes in dscomm.comms_logger.comms_dict.items():
+            total = sum(size * record[0] for size, record in sizes.items())
+            logged[op] = total / args.steps
+            factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter_tensor": (n - 1) / n,
+                      "all_gather_into_tensor": n - 1}.get(op, 0.0)
+            traffic += factor * total / args.steps
+    params = trainer.model.num_params()
+    if trainer.state.is_main:
+        print(json.dumps({"world": world, "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
+                          "param_bytes": 4 * params, "traffic_bytes_per_step": traffic,
+                          "logged_bytes_per_step": logged}), flush=True)
+
+
+def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, timeout: float) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [str(Path(__file__).resolve()), "--worker", "--config", config, "--zero", str(zero),
+                "--steps", str(steps), "--warmup", str(warmup)]
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                "127.0.0.1", "--master_port", str(29500 + (os.getpid() + zero + 10 * nproc) % 1000)] + args
+               if nproc > 1 else [sys.executable] + args)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"layout dp={nproc} zero={zero} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "configs/tiny_mixed.yaml"))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--zero", type=int, default=1)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    from common import print_table, write_json
+    rows = []
+    layouts = [(1, 0)] + [(2, z) for z in (0, 1, 2, 3)]
+    for nproc, zero in layouts:
+        r = run_layout(args.config, nproc, zero, args.steps, args.warmup, args.timeout)
+        n, P = r["world"], r["param_bytes"]
+        expected = EXPECTED[zero] * (n - 1) / n * P if n > 1 else 0.0
+        rows.append({"layout": "1 process" if n == 1 else f"DP{n} ZeRO-{zero}", "tokens_per_s": r["tokens_per_s"],
+                     "MiB_per_step": r["traffic_bytes_per_step"] / 2 ** 20, "expected_MiB": expected / 2 ** 20,
+                     "measured/expected": (r["traffic_bytes_per_step"] / expected) if expected else None,
+                     "logged": r["logged_bytes_per_step"]})
+    print(f"data-parallel layouts, {os.path.basename(args.config)}, fp32 on CPU (gloo); ring traffic per rank per step")
+    print_table(rows, ["layout", "tokens_per_s", "MiB_per_step", "expected_MiB", "measured/expected"])
+    write_json("scaling", {"args": vars(args), "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
