@@ -10,7 +10,9 @@ part m -> (n-1) m. DeepSpeed's expected volume per step, with P the bytes of the
 (fp32 gradients), is (n-1)/n P times 2 (ZeRO-0: all-reduce), 3 (ZeRO-1: all-reduce, then
 all-gather of the updated partitions), 2 (ZeRO-2: reduce-scatter + all-gather), 3 (ZeRO-3:
 reduce-scatter + an all-gather in forward and in backward).
-Tensor-parallel layouts join this table when the parallelize step lands.
+Tensor-parallel layouts join this table when the parallelize step lands. On CPU/gloo DeepSpeed
+0.19.8 runs ZeRO-2 with a full all-reduce (1.5x the textbook volume), and a small model under ZeRO-3 is
+gathered once per step (its parameters stay live between forward and backward).
 """
 from __future__ import annotations
 
