@@ -70,9 +70,15 @@ class LoopedLM(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]; with ``targets``, the mean cross-entropy instead."""
-        logits = F.linear(self.hidden(tokens, caches, pos), self.head_weight())
+        logits = self.output(self.hidden(tokens, caches, pos))
         if targets is None:
             return logits
+        return self.cross_entropy(logits, targets)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.head_weight())
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import yaml
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.models import build_model
+from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import resolve_grad_accum
@@ -71,11 +72,11 @@ class Trainer:
     def __init__(self, cfg: Config, log: bool = True, state: ParallelState | None = None):
         self.cfg = cfg
         t = cfg.train
-        self.state = state or init_parallel(1, cfg.parallel.timeout_s)
+        self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
         self.grad_accum = resolve_grad_accum(t, self.state.dp_size)
         torch.manual_seed(cfg.seed)
         self.device = self.state.device
-        self.model = build_model(cfg).to(self.device)
+        self.model = parallelize(build_model(cfg), self.state).to(self.device)
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)

@@ -22,15 +22,15 @@ def main():
     out, args = sys.argv[1], sys.argv[2:]
     zero = [a.split("=")[1] for a in args if a.startswith("zero_stage=")]
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
-    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol="))]
+    config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
+    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config="))]
     if zero:
         overrides.append(f"parallel.zero_stage={zero[0]}")
     rank = int(os.environ.get("RANK", "0"))
     if rank_tol:
         tol = rank_tol[0].split(",")[rank]
         overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
-    cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_mixed.yaml"),
-                              overrides)
+    cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", config), overrides)
     trainer = Trainer(cfg, log=False)
     steps = []
     for _ in range(cfg.train.steps):
