@@ -18,6 +18,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if getattr(model, "sharded_logits", False):
+        raise ValueError("this model's logits are split over tensor-parallel ranks; decode with a "
+                         "single-process model (parallel.tp = 1)")
     was_training = model.training
     model.eval()
     try:

@@ -75,4 +75,5 @@ def parallelize(model, state):
     model.output = lambda h: F.linear(copy_to_tp(h, group), model.head_weight())
     model.cross_entropy = lambda logits, targets: vocab_parallel_cross_entropy(
         logits.flatten(0, 1), targets.flatten(), group)
+    model.sharded_logits = True          # each rank holds a vocabulary slice: not decodable as is
     return model

@@ -45,6 +45,14 @@ def test_bad_tp_sizes_name_the_numbers():
         parallelize(fpscale.build_model(fpscale.load_config(None, ["model.layers.0.type=fpsa"])), state)
 
 
+def test_decoding_a_tp_shard_is_refused():
+    import torch
+    state = SimpleNamespace(tp_size=2, tp_rank=0, tp_group=None)
+    model = parallelize(fpscale.build_model(fpscale.load_config(None, ["model.vocab_size=32"])), state)
+    with pytest.raises(ValueError, match="split over tensor-parallel ranks"):
+        fpscale.generate(model, torch.zeros(1, 3, dtype=torch.long), 2)
+
+
 def test_world_size_not_divisible_by_tp(monkeypatch):
     from fpscale.parallel.state import init_parallel
     monkeypatch.setenv("WORLD_SIZE", "3")
