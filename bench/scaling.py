@@ -1,7 +1,6 @@
-"""Data-parallel layouts: tokens/s and bytes communicated per step beside the theoretical volume.
+"""Parallel layouts: tokens/s and bytes communicated per step beside the theoretical volume.
 
-    python bench/scaling.py                      # tiny_mixed: one process, DP2 x ZeRO 0/1/2/3
-    python bench/scaling.py --config configs/tiny_attn.yaml --steps 8
+    python bench/scaling.py          # tiny_mixed: 1 process, DP2 x ZeRO 0-3; tiny_attn: 1, DP2, TP2, TP2xDP2
 
 Each layout trains under torchrun (gloo on CPU) with DeepSpeed's comms logger on; after warm-up
 the logged collectives of the timed steps are turned into ring traffic per rank:
@@ -10,7 +9,11 @@ part m -> (n-1) m. DeepSpeed's expected volume per step, with P the bytes of the
 (fp32 gradients), is (n-1)/n P times 2 (ZeRO-0: all-reduce), 3 (ZeRO-1: all-reduce, then
 all-gather of the updated partitions), 2 (ZeRO-2: reduce-scatter + all-gather), 3 (ZeRO-3:
 reduce-scatter + an all-gather in forward and in backward).
-Tensor-parallel layouts join this table when the parallelize step lands. On CPU/gloo DeepSpeed
+Tensor parallelism (attn layers) adds, per micro-batch and rank, 4L + 2 all-reduces of the
+B x T x d activations (two per block in forward, two in backward, the embedding and the output
+projection) and three [B x T] reductions of the vocab-parallel loss, each 2(n-1)/n of its size;
+they are counted by fpscale.parallel.mappings.TP_TRAFFIC (DeepSpeed's logger does not see them).
+On CPU/gloo DeepSpeed
 0.19.8 runs ZeRO-2 with a full all-reduce (1.5x the textbook volume), and a small model under ZeRO-3 is
 gathered once per step (its parameters stay live between forward and backward).
 """
@@ -38,8 +41,9 @@ def worker(args) -> None:
 
     import fpscale
     from fpscale.train.trainer import Trainer
+    from fpscale.parallel.mappings import TP_TRAFFIC
     overrides = [f"train.steps={args.warmup + args.steps}", "train.log_interval=100000",
-                 "train.eval_interval=100000", f"parallel.zero_stage={args.zero}"]
+                 "train.eval_interval=100000", f"parallel.zero_stage={args.zero}", f"parallel.tp={args.tp}"]
     cfg = fpscale.load_config(args.config, overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import deepspeed.comm as dscomm
@@ -53,6 +57,7 @@ def worker(args) -> None:
     world = trainer.state.world_size
     if world > 1:
         dscomm.comms_logger.comms_dict.clear()
+        TP_TRAFFIC.clear()
         dist.barrier()
     t0 = time.perf_counter()
     tokens = 0
@@ -61,7 +66,11 @@ def worker(args) -> None:
     elapsed = time.perf_counter() - t0
     traffic, logged = 0.0, {}
     if world > 1:
-        n = world
+        n = trainer.state.dp_size          # DeepSpeed's collectives run over the DP group
+        tp = trainer.state.tp_size
+        for op, size in TP_TRAFFIC.items():
+            logged[f"tp_{op}"] = size / args.steps
+            traffic += {"all_reduce": 2 * (tp - 1) / tp, "all_gather": tp - 1}[op] * size / args.steps
         for op, sizes in dscomm.comms_logger.comms_dict.items():
             total = sum(size * record[0] for size, record in sizes.items())
             logged[op] = total / args.steps
@@ -70,16 +79,21 @@ def worker(args) -> None:
             traffic += factor * total / args.steps
     params = trainer.model.num_params()
     if trainer.state.is_main:
-        print(json.dumps({"world": world, "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
-                          "param_bytes": 4 * params, "traffic_bytes_per_step": traffic,
-                          "logged_bytes_per_step": logged}), flush=True)
+        attn_blocks = sum(s.repeat for s in cfg.model.layers if s.type == "attn")
+        t = cfg.train
+        activation = t.micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
+        per_micro = (4 * attn_blocks + 2) * activation + 3 * t.micro_batch * cfg.data.seq_len * 4
+        print(json.dumps({"world": world, "dp": trainer.state.dp_size, "tp": trainer.state.tp_size,
+                          "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
+                          "param_bytes": 4 * params, "tp_message_bytes": per_micro * trainer.grad_accum,
+                          "traffic_bytes_per_step": traffic, "logged_bytes_per_step": logged}), flush=True)
 
 
-def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, timeout: float) -> dict:
+def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, timeout: float, tp: int = 1) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
     with tempfile.TemporaryDirectory() as tmp:
         args = [str(Path(__file__).resolve()), "--worker", "--config", config, "--zero", str(zero),
-                "--steps", str(steps), "--warmup", str(warmup)]
+                "--steps", str(steps), "--warmup", str(warmup), "--tp", str(tp)]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                 "127.0.0.1", "--master_port", str(29500 + (os.getpid() + zero + 10 * nproc) % 1000)] + args
                if nproc > 1 else [sys.executable] + args)
@@ -93,6 +107,9 @@ def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, time
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs/tiny_mixed.yaml"))
+    ap.add_argument("--tp-config", default=str(ROOT / "configs/tiny_attn.yaml"),
+                    help="attn-only config for the tensor-parallel layouts")
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--zero", type=int, default=1)
@@ -104,17 +121,23 @@ def main(argv=None):
         return worker(args)
     from common import print_table, write_json
     rows = []
-    layouts = [(1, 0)] + [(2, z) for z in (0, 1, 2, 3)]
-    for nproc, zero in layouts:
-        r = run_layout(args.config, nproc, zero, args.steps, args.warmup, args.timeout)
-        n, P = r["world"], r["param_bytes"]
-        expected = EXPECTED[zero] * (n - 1) / n * P if n > 1 else 0.0
-        rows.append({"layout": "1 process" if n == 1 else f"DP{n} ZeRO-{zero}", "tokens_per_s": r["tokens_per_s"],
+    layouts = ([(args.config, 1, 0, 1)] + [(args.config, 2, z, 1) for z in (0, 1, 2, 3)]
+               + [(args.tp_config, 1, 0, 1), (args.tp_config, 2, 1, 1), (args.tp_config, 2, 1, 2),
+                  (args.tp_config, 4, 1, 2)])
+    for config, nproc, zero, tp in layouts:
+        r = run_layout(config, nproc, zero, args.steps, args.warmup, args.timeout, tp)
+        dp, P = r["dp"], r["param_bytes"]
+        expected = EXPECTED[zero] * (dp - 1) / dp * P if dp > 1 else 0.0
+        if tp > 1:
+            expected += 2 * (tp - 1) / tp * r["tp_message_bytes"]
+        name = "1 process" if nproc == 1 else " x ".join(
+            ([f"TP{tp}"] if tp > 1 else []) + ([f"DP{dp} ZeRO-{zero}"] if dp > 1 else []))
+        rows.append({"config": os.path.basename(config), "layout": name, "tokens_per_s": r["tokens_per_s"],
                      "MiB_per_step": r["traffic_bytes_per_step"] / 2 ** 20, "expected_MiB": expected / 2 ** 20,
                      "measured/expected": (r["traffic_bytes_per_step"] / expected) if expected else None,
                      "logged": r["logged_bytes_per_step"]})
-    print(f"data-parallel layouts, {os.path.basename(args.config)}, fp32 on CPU (gloo); ring traffic per rank per step")
-    print_table(rows, ["layout", "tokens_per_s", "MiB_per_step", "expected_MiB", "measured/expected"])
+    print("parallel layouts, fp32 on CPU (gloo); ring traffic per rank per step")
+    print_table(rows, ["config", "layout", "tokens_per_s", "MiB_per_step", "expected_MiB", "measured/expected"])
     write_json("scaling", {"args": vars(args), "rows": rows}, args.out)
 
 
