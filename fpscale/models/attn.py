@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from fpscale.models.common import (RMSNorm, apply_rope, causal_attention, init_linear, merge_heads,
-                                   rope_tables, split_heads, swiglu_hidden)
+from fpscale.models.common import RMSNorm, init_linear, rope_span, self_attention, swiglu, swiglu_hidden
 
 
 class MLP(torch.nn.Module):
@@ -22,7 +20,7 @@ class MLP(torch.nn.Module):
         init_linear(self.w_down, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+        return swiglu(x, self.w_gate, self.w_up, self.w_down)
 
 
 class Attention(torch.nn.Module):
@@ -38,25 +36,26 @@ class Attention(torch.nn.Module):
         init_linear(self.w_o, out_std)
 
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        q, k, v = (split_heads(t, self.head_dim) for t in F.linear(h, self.w_qkv).chunk(3, dim=-1))
-        positions = torch.arange(pos, pos + h.shape[1], device=h.device)
-        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
+        out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache)
         if cache is not None:
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache["k"], cache["v"] = k, v
-        return F.linear(merge_heads(causal_attention(q, k, v)), self.w_o)
+        return out
 
 
 class AttnBlock(torch.nn.Module):
-    def __init__(self, cfg, spec, index: int):
+    """Pre-norm block: x + attention(norm(x)), then x + MLP(norm(x)). Subclasses swap the attention."""
+
+    def __init__(self, cfg, spec, solver=None):
         super().__init__()
-        out_std = cfg.init_std / (2 * len(cfg.expanded_layers())) ** 0.5
+        out_std = cfg.out_init_std()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std)
+        self.attn = self.make_attention(cfg, spec, solver, out_std)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+
+    def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
+        return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std)
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), pos, cache)

@@ -36,6 +36,11 @@ def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: tor
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Tensor):
+    """cos, sin for the positions [pos, pos + length) of a block of new tokens."""
+    return rope_tables(head_dim, torch.arange(pos, pos + length, device=like.device), theta, like.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [B, H, T, dh] by position (pairs of halves, as in GPT-NeoX/Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -64,6 +69,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head_dim: int, cos, sin,
+                   past: dict | None = None):
+    """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
+    tokens. Returns (output, k, v) with k, v covering past and new tokens."""
+    q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if past:
+        k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
+    return F.linear(merge_heads(causal_attention(q, k, v)), w_o), k, v
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, past: torch.Tensor | None):
+    """Causal depthwise conv over time of x [B, T, C]; ``past`` holds the last k - 1 inputs of
+    earlier tokens (decoding). Returns (output [B, T, C], the window to cache)."""
+    k = weight.shape[-1]
+    window = torch.cat([past, x], 1) if past is not None else F.pad(x, (0, 0, k - 1, 0))
+    out = F.conv1d(window.transpose(1, 2), weight, bias, groups=x.shape[-1]).transpose(1, 2)[:, -x.shape[1]:]
+    return out, window[:, window.shape[1] - (k - 1):]
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -101,6 +101,11 @@ class ModelConfig:
     def expanded_layers(self) -> list[LayerSpec]:
         return [spec for spec in self.layers for _ in range(spec.repeat)]
 
+    def out_init_std(self, sublayers: int | None = None) -> float:
+        """Init std of the projections that write into the residual stream (GPT-2 scaling by
+        the number of residual sublayers; by default two per layer of the model)."""
+        return self.init_std / (sublayers or 2 * len(self.expanded_layers())) ** 0.5
+
 
 def kronecker_factors(n: int) -> tuple[int, int]:
     """The most balanced n = d1 * d2 with d1 <= d2."""

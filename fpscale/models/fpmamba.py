@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import RMSNorm, init_linear
+from fpscale.models.common import RMSNorm, causal_conv, init_linear
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, make_mixer_params
 from fpscale.models.scan import scan
@@ -82,11 +82,8 @@ class FPMambaMixer(FixedPointLayer):
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         xc, g = F.linear(x, self.w_in).chunk(2, dim=-1)
-        T = xc.shape[1]
-        past = cache.get("conv") if cache else None
-        window = torch.cat([past, xc], 1) if past is not None else F.pad(xc, (0, 0, self.d_conv - 1, 0))
-        u = F.silu(F.conv1d(window.transpose(1, 2), self.conv_w, self.conv_b, groups=self.d_inner)
-                   .transpose(1, 2)[:, -T:])
+        conv, window = causal_conv(xc, self.conv_w, self.conv_b, cache.get("conv") if cache else None)
+        u = F.silu(conv)
         gate = F.silu(g)
         y_prev = cache.get("y") if cache else None
         h0 = cache.get("h") if cache else None
@@ -94,17 +91,15 @@ class FPMambaMixer(FixedPointLayer):
         if cache is not None:
             with torch.no_grad():
                 _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
-            cache.update(conv=window[:, -(self.d_conv - 1):].detach() if self.d_conv > 1 else window[:, :0],
-                         h=h_last, y=y[:, -1].detach())
+            cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
         return F.linear(y, self.w_out)
 
 
 class FPMambaBlock(torch.nn.Module):
-    def __init__(self, cfg, spec, index: int, solver):
+    def __init__(self, cfg, spec, solver):
         super().__init__()
-        out_std = cfg.init_std / (2 * len(cfg.expanded_layers())) ** 0.5
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, out_std, cfg.norm_eps)
+        self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         return x + self.mixer(self.norm(x), pos, cache)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.attn import MLP
-from fpscale.models.common import (RMSNorm, apply_rope, causal_attention, init_linear, merge_heads,
-                                   rope_tables, spectral_normalize, split_heads)
+from fpscale.models.attn import AttnBlock
+from fpscale.models.common import (apply_rope, causal_attention, init_linear, merge_heads, rope_span,
+                                   spectral_normalize, split_heads)
 from fpscale.models.fixed_point import FixedPointLayer
 
 
@@ -52,8 +52,7 @@ class FPSAttention(FixedPointLayer):
         past_k = cache.get("k") if cache is not None else None
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
-        positions = torch.arange(pos, pos + h.shape[1], device=h.device)
-        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta, h.dtype)
+        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
         scale = self.head_dim ** -0.5
         if self.log_temp is not None:      # one temperature per (local) head
             scale = self.log_temp.exp() * scale
@@ -76,16 +75,9 @@ class FPSAttention(FixedPointLayer):
         return z
 
 
-class FPSABlock(torch.nn.Module):
-    def __init__(self, cfg, spec, index: int, solver):
-        super().__init__()
-        out_std = cfg.init_std / (2 * len(cfg.expanded_layers())) ** 0.5
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = FPSAttention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, solver,
-                                 spectral_norm=spec.spectral_norm, temperature=spec.temperature)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+class FPSABlock(AttnBlock):
+    """The attn block with fixed-point self-attention; the MLP stays outside the loop."""
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), pos, cache)
-        return x + self.mlp(self.norm2(x))
+    def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
+        return FPSAttention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, solver,
+                            spectral_norm=spec.spectral_norm, temperature=spec.temperature)

@@ -34,17 +34,11 @@ class LoopedLM(torch.nn.Module):
         solver = solver or SolverConfig()
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
         torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        blocks = {"attn": AttnBlock, "fpsa": FPSABlock, "fpmamba": FPMambaBlock, "looped": LoopedCore}
         layers = []
-        index = 0
         for i, spec in enumerate(cfg.layers):
-            for _ in range(spec.repeat):
-                if spec.type == "attn":
-                    layers.append(AttnBlock(cfg, spec, index))
-                else:
-                    s = layer_solver(solver, spec.solver, f"model.layers.{i}.solver")
-                    block = {"fpsa": FPSABlock, "fpmamba": FPMambaBlock, "looped": LoopedCore}[spec.type]
-                    layers.append(block(cfg, spec, index, s))
-                index += 1
+            layer_cfg = None if spec.type == "attn" else layer_solver(solver, spec.solver, f"model.layers.{i}.solver")
+            layers += [blocks[spec.type](cfg, spec, layer_cfg) for _ in range(spec.repeat)]
         self.layers = torch.nn.ModuleList(layers)
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from fpscale.models.common import (apply_rope, causal_attention, init_linear, merge_heads, rms_norm,
-                                   rope_tables, split_heads, swiglu_hidden)
+from fpscale.models.common import (causal_conv, init_linear, rms_norm, rope_span, self_attention, swiglu,
+                                   swiglu_hidden)
 from fpscale.models.fixed_point import FixedPointLayer
 
 
@@ -27,12 +26,12 @@ def _logit(p: float) -> float:
 
 
 class LoopedCore(FixedPointLayer):
-    def __init__(self, cfg, spec, index: int, solver):
+    def __init__(self, cfg, spec, solver):
         super().__init__(solver)
         d, L = cfg.d_model, spec.core_blocks
         hidden = swiglu_hidden(d, cfg.mlp_ratio)
         self.blocks, self.head_dim, self.rope_theta, self.eps = L, d // cfg.n_heads, cfg.rope_theta, cfg.norm_eps
-        out_std = cfg.init_std / (2 * L) ** 0.5
+        out_std = cfg.out_init_std(sublayers=2 * L)
         self.attn_norm = torch.nn.Parameter(torch.ones(L, d))
         self.w_qkv = torch.nn.Parameter(torch.empty(L, 3 * d, d))
         self.w_o = torch.nn.Parameter(torch.empty(L, d, d))
@@ -57,16 +56,11 @@ class LoopedCore(FixedPointLayer):
         return a1, b1, a2, b2
 
     def attention(self, l: int, z, cos, sin, past: dict | None):
-        q, k, v = (split_heads(t, self.head_dim)
-                   for t in F.linear(rms_norm(z, self.attn_norm[l], self.eps), self.w_qkv[l]).chunk(3, -1))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if past:
-            k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
-        return F.linear(merge_heads(causal_attention(q, k, v)), self.w_o[l]), k, v
+        return self_attention(rms_norm(z, self.attn_norm[l], self.eps), self.w_qkv[l], self.w_o[l],
+                              self.head_dim, cos, sin, past)
 
     def mlp(self, l: int, z):
-        h = rms_norm(z, self.mlp_norm[l], self.eps)
-        return F.linear(F.silu(F.linear(h, self.w_gate[l])) * F.linear(h, self.w_up[l]), self.w_down[l])
+        return swiglu(rms_norm(z, self.mlp_norm[l], self.eps), self.w_gate[l], self.w_up[l], self.w_down[l])
 
     def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None):
         a1, b1, _, _ = self.scalings()
@@ -79,14 +73,11 @@ class LoopedCore(FixedPointLayer):
         return z
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+        x_in, window = x, None
         if self.conv_w is not None:
-            past = cache.get("conv") if cache else None
-            window = torch.cat([past, x], 1) if past is not None else F.pad(x, (0, 0, 3, 0))
-            x_in = x + F.conv1d(window.transpose(1, 2), self.conv_w, groups=x.shape[-1]).transpose(1, 2)[:, -x.shape[1]:]
-        else:
-            x_in = x
-        positions = torch.arange(pos, pos + x.shape[1], device=x.device)
-        cos, sin = rope_tables(self.head_dim, positions, self.rope_theta, x.dtype)
+            conv, window = causal_conv(x, self.conv_w, None, cache.get("conv") if cache else None)
+            x_in = x + conv
+        cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x)
         caches = cache.get("kv") if cache else None
         _, _, a2, b2 = self.scalings()
         inject = b2 * x_in
@@ -96,6 +87,6 @@ class LoopedCore(FixedPointLayer):
             with torch.no_grad():
                 self.one_pass(a2 * s.detach() + inject, cos, sin, caches, collected)
             cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
-            if self.conv_w is not None:
-                cache["conv"] = window[:, -3:].detach()
+            if window is not None:
+                cache["conv"] = window.detach()
         return s

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fpscale.models.common import apply_rope, causal_attention, merge_heads, rope_tables, split_heads
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.scan import sequential_scan
-from fpscale.solvers import SolverConfig, token_residual
+from fpscale.solvers import token_residual
 from tests.models.helpers import TYPES, tiny_model
 
 TIGHT = {"tol": 1e-7, "max_iter": 200, "patience": 0}

@@ -1,5 +1,4 @@
 """Backward modes against the exact implicit-function-theorem gradient (dense Jacobian)."""
-import pytest
 import torch
 from torch.func import jacrev
 
