@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,11 +46,8 @@ def worker(args) -> None:
     cfg = fpscale.load_config(args.config, overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import deepspeed.comm as dscomm
-        from fpscale.train import trainer as trainer_mod
-        base = trainer_mod.deepspeed_config
-        trainer_mod.deepspeed_config = lambda c, a: {**base(c, a), "comms_logger": {"enabled": True, "prof_all": True,
-                                                                                      "verbose": False}}
-    trainer = Trainer(cfg, log=False)
+    trainer = Trainer(cfg, log=False, deepspeed_overrides={
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False}})
     for _ in range(args.warmup):
         trainer.train_step()
     world = trainer.state.world_size
@@ -91,13 +87,12 @@ def worker(args) -> None:
 
 def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, timeout: float, tp: int = 1) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [str(Path(__file__).resolve()), "--worker", "--config", config, "--zero", str(zero),
-                "--steps", str(steps), "--warmup", str(warmup), "--tp", str(tp)]
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                "127.0.0.1", "--master_port", str(29500 + (os.getpid() + zero + 10 * nproc) % 1000)] + args
-               if nproc > 1 else [sys.executable] + args)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    args = [str(Path(__file__).resolve()), "--worker", "--config", config, "--zero", str(zero),
+            "--steps", str(steps), "--warmup", str(warmup), "--tp", str(tp)]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(29500 + (os.getpid() + zero + 10 * nproc) % 1000)] + args
+           if nproc > 1 else [sys.executable] + args)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"layout dp={nproc} zero={zero} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

@@ -45,6 +45,20 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def quick_digest(path: str, blocks: int = 16, block: int = 1 << 16) -> str:
+    """sha256 over evenly spaced blocks of the file (the whole file when it is small)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        if size <= blocks * block:
+            h.update(fh.read())
+        else:
+            for k in range(blocks):
+                fh.seek((size - block) * k // (blocks - 1))
+                h.update(fh.read(block))
+    return h.hexdigest()
+
+
 # -- reading documents --------------------------------------------------------------------------
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -217,10 +231,9 @@ def _write_unit(tok_dir: str, unit: int, encoded, dtype) -> dict:
         base = os.path.join(tok_dir, f"shard_{unit:05d}.{split}")
         _atomic_write(base + ".bin", tokens.tobytes())
         _atomic_write(base + ".idx", ends.tobytes())
-        from fpscale.data.shards import _quick_digest
         record["splits"][split] = {"documents": len(docs), "tokens": int(tokens.size), "bytes": int(tokens.nbytes),
                                    "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
-                                   "quick": _quick_digest(base + ".bin")}
+                                   "quick": quick_digest(base + ".bin")}
     _atomic_write(os.path.join(tok_dir, f"shard_{unit:05d}.json"), json.dumps(record, indent=1).encode())
     return record
 

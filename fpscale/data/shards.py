@@ -14,21 +14,7 @@ import os
 import numpy as np
 import torch
 
-from fpscale.data.fineweb import DataError, sha256_file
-
-
-def _quick_digest(path: str, blocks: int = 16, block: int = 1 << 16) -> str:
-    """sha256 over evenly spaced blocks of the file (the whole file when it is small)."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as fh:
-        if size <= blocks * block:
-            h.update(fh.read())
-        else:
-            for k in range(blocks):
-                fh.seek((size - block) * k // (blocks - 1))
-                h.update(fh.read(block))
-    return h.hexdigest()
+from fpscale.data.fineweb import DataError, quick_digest, sha256_file
 
 
 class TokenShards:
@@ -54,7 +40,7 @@ class TokenShards:
                                 f"{info['bytes']}: the shard no longer matches its fingerprint")
             if verify == "full" and sha256_file(file) != info["sha256"]:
                 raise DataError(f"shard {file} fails its sha256 check: it no longer matches its fingerprint")
-            if verify == "quick" and info.get("quick") and _quick_digest(file) != info["quick"]:
+            if verify == "quick" and info.get("quick") and quick_digest(file) != info["quick"]:
                 raise DataError(f"shard {file} fails its checksum: it no longer matches its fingerprint")
             if info["tokens"]:
                 self.arrays.append(np.memmap(file, dtype=self.dtype, mode="r"))

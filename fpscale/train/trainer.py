@@ -53,6 +53,12 @@ def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tupl
     return batch[:, :-1], batch[:, 1:]
 
 
+def collect_solver_stats(model, into: dict[str, list[dict]]) -> None:
+    """Append the last forward's statistics of every looped layer to ``into``."""
+    for name, stats in model.solver_stats().items():
+        into.setdefault(name, []).append(stats.to_dict())
+
+
 def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     t = cfg.train
     return {
@@ -69,7 +75,9 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log: bool = True, state: ParallelState | None = None):
+    def __init__(self, cfg: Config, log: bool = True, state: ParallelState | None = None,
+                 deepspeed_overrides: dict | None = None):
+        """``deepspeed_overrides`` are merged into the DeepSpeed config (e.g. its comms logger)."""
         self.cfg = cfg
         t = cfg.train
         self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
@@ -88,7 +96,8 @@ class Trainer:
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             self.engine, optimizer, _, _ = deepspeed.initialize(
-                model=self.model, optimizer=optimizer, config=deepspeed_config(cfg, self.grad_accum),
+                model=self.model, optimizer=optimizer,
+                config={**deepspeed_config(cfg, self.grad_accum), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
         self.optimizer = optimizer
         self.step = 0
@@ -132,8 +141,7 @@ class Trainer:
                     loss = model(inputs, targets=targets) / len(micro_batches)
                 loss.backward()
                 total += float(loss.detach())
-            for name, stats in model.solver_stats().items():
-                layer_stats.setdefault(name, []).append(stats.to_dict())
+            collect_solver_stats(model, layer_stats)
         if self.engine is not None:
             if grad_norm is None:
                 grad_norm = float(self.engine.get_global_grad_norm())
@@ -195,8 +203,7 @@ class Trainer:
             with self.autocast():
                 total += float(forward(inputs, targets=targets)) * batch.shape[0]
             count += batch.shape[0]
-            for name, stats in self.model.solver_stats().items():
-                layer_stats.setdefault(name, []).append(stats.to_dict())
+            collect_solver_stats(self.model, layer_stats)
         if self.state.distributed:
             sums = torch.tensor([total, count], dtype=torch.float64)
             dist.all_reduce(sums, group=self.state.dp_group)
