@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fpscale.models.common import RMSNorm, init_linear, rope_span, self_attention, swiglu, swiglu_hidden
+from fpscale.models.common import RMSNorm, Unsharded, init_linear, rope_span, self_attention, swiglu, swiglu_hidden
 
 
 class MLP(torch.nn.Module):
@@ -18,9 +18,10 @@ class MLP(torch.nn.Module):
         init_linear(self.w_gate, init_std)
         init_linear(self.w_up, init_std)
         init_linear(self.w_down, out_std)
+        self.shards = Unsharded()           # tensor parallelism: this shard's hidden units
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w_gate, self.w_up, self.w_down)
+        return self.shards.exit(swiglu(self.shards.enter(x), self.w_gate, self.w_up, self.w_down))
 
 
 class Attention(torch.nn.Module):
@@ -34,13 +35,14 @@ class Attention(torch.nn.Module):
         self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
         init_linear(self.w_qkv, init_std)
         init_linear(self.w_o, out_std)
+        self.shards = Unsharded()           # tensor parallelism: this shard's heads
 
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
-        out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache)
+        out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache)
         if cache is not None:
             cache["k"], cache["v"] = k, v
-        return out
+        return self.shards.exit(out)
 
 
 class AttnBlock(torch.nn.Module):

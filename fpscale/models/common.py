@@ -15,6 +15,39 @@ except Exception:  # pragma: no cover - not installable on CPU machines
     flash_attn_func = None
 
 
+class Unsharded:
+    """How a layer's tensor-parallel shards meet; for a whole (unsharded) layer, the identity.
+
+    ``fpscale.parallel.parallelize`` swaps in ``TensorParallelShards``, the same methods with the
+    conjugate collectives of a Megatron TP region (forward / backward):
+      enter(x)     a replicated x used by a sharded computation      identity / sum over shards
+      exit(x)      partial results summed into a replicated value    sum / identity
+      total(x)     a partial sum that every shard uses again         sum / sum   (= enter(exit(x)))
+      gather(x)    the sharded last dim made whole (replicated)      all-gather / own slice
+      scatter(x)   this shard's slice of a replicated last dim       own slice / all-gather
+      consensus    the solver's stop flags, MAX over the shards (every shard iterates alike)
+      state_reduce the solver's per-token norms summed / maxed over the shards, when the solved
+                   state itself is split (fpmamba's channels); None when it is whole
+    """
+    consensus = None
+    state_reduce = None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -110,19 +143,25 @@ def swiglu_hidden(d_model: int, mlp_ratio: float, multiple_of: int = 16) -> int:
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
-def spectral_normalize(w: torch.Tensor, u: torch.Tensor, n_iter: int, update: bool) -> torch.Tensor:
+def spectral_normalize(w: torch.Tensor, u: torch.Tensor, n_iter: int, update: bool,
+                       total=lambda t: t) -> torch.Tensor:
     """w / sigma_max(w) with a persistent power-iteration vector ``u`` (updated in place).
 
     As in torch's spectral_norm: the power iteration runs without grad; sigma = u^T W v
-    carries the gradient. ``u`` has shape [w.shape[0]].
+    carries the gradient. ``u`` has shape [w.shape[0]]. When the rows of W are split over
+    tensor-parallel shards (w, u: this shard's rows), ``total`` sums the shards' partial
+    products, so every shard divides by the sigma of the whole matrix.
     """
+    def right(uu):                                   # v = normalize(W^T u)
+        return F.normalize(total(w.detach().t() @ uu), dim=0, eps=1e-12)
+
     if update:
         with torch.no_grad():
             for _ in range(n_iter):
-                v = F.normalize(w.t() @ u, dim=0, eps=1e-12)
-                u.copy_(F.normalize(w @ v, dim=0, eps=1e-12))
-    v = F.normalize(w.t() @ u, dim=0, eps=1e-12).detach()
-    sigma = torch.dot(u.detach(), w @ v)
+                wv = w @ right(u)
+                u.copy_(wv / total(wv.pow(2).sum()).sqrt().clamp_min(1e-12))
+    v = right(u.detach()).detach()
+    sigma = total(torch.dot(u.detach(), w @ v))
     return w / sigma
 
 

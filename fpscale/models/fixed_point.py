@@ -1,11 +1,12 @@
-"""What every looped layer shares: its solver settings, the consensus hook that parallelize
-may set, the randomised cap of the current step, and the statistics of its last solve."""
+"""What every looped layer shares: its solver settings, the seam where its shards meet
+(``self.shards``), the randomised cap of the current step, and the statistics of its last solve."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
+from fpscale.models.common import Unsharded
 from fpscale.solvers import SolverConfig, SolverStats, solve
 
 
@@ -15,11 +16,13 @@ class FixedPointLayer(torch.nn.Module):
     def __init__(self, solver: SolverConfig):
         super().__init__()
         self.solver = solver
-        self.consensus = None            # set by fpscale.parallel for tensor parallelism
+        self.shards = Unsharded()        # replaced by fpscale.parallel for tensor parallelism
+        self.state_sharded = False       # True where the solved state is split over the shards
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.last_stats: SolverStats | None = None
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor) -> torch.Tensor:
-        z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus,
-                                   max_iter=self.cap if self.training else None)
+        reduce = self.shards.state_reduce if self.state_sharded else None
+        z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
+                                   state_reduce=reduce, max_iter=self.cap if self.training else None)
         return z

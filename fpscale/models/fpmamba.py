@@ -32,7 +32,7 @@ class FPMambaMixer(FixedPointLayer):
         self.dt_rank = max(1, math.ceil(d_model / 16))
         self.mixer, self.negative_eigs, self.y_feedback = spec.mixer, spec.negative_eigs, spec.y_feedback
         self.norm_eps = norm_eps
-        self.channel_sum = lambda t: t           # all-reduce over TP ranks when channels are sharded
+        self.state_sharded = True                # tensor parallelism splits y by d_inner channels
         self.w_in = torch.nn.Parameter(torch.empty(2 * di, d_model))
         self.conv_w = torch.nn.Parameter(torch.randn(di, 1, spec.d_conv) / spec.d_conv ** 0.5)
         self.conv_b = torch.nn.Parameter(torch.zeros(di))
@@ -57,21 +57,21 @@ class FPMambaMixer(FixedPointLayer):
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}
 
     def _rms(self, t: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over all d_inner channels (sums go through channel_sum under TP)."""
-        ms = self.channel_sum(t.float().pow(2).sum(-1, keepdim=True)) / self.d_inner
-        return (t.float() * torch.rsqrt(ms + self.norm_eps)).to(t.dtype) * self.out_norm_w
+        """RMSNorm over all d_inner channels (summed over the shards under TP)."""
+        wide = t.to(torch.promote_types(t.dtype, torch.float32))       # half precision sums in fp32
+        ms = self.shards.total(wide.pow(2).sum(-1, keepdim=True)) / self.d_inner
+        return (wide * torch.rsqrt(ms + self.norm_eps)).to(t.dtype) * self.out_norm_w
 
     def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False):
         """One application of f: y -> y_new (and the final scan state)."""
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
-        x_t = apply_mixer(self.mixer, self.mixer_params(), u - y, u, y_c, self.negative_eigs,
-                          self.channel_sum) + y
+        x_t = apply_mixer(self.mixer, self.mixer_params(), u - y, u, y_c, self.negative_eigs, self.shards) + y
         proj = F.linear(u, self.x_proj)
         if self.y_proj is not None:
             proj = proj + F.linear(y_s, self.y_proj)
-        proj = self.channel_sum(proj)            # x_proj is row-parallel under TP
+        proj = self.shards.total(proj)           # x_proj, y_proj are row-parallel under TP
         dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(F.linear(dt_low, self.dt_proj) + self.dt_bias)             # [B, T, di]
@@ -81,7 +81,7 @@ class FPMambaMixer(FixedPointLayer):
         return (y_new, h[:, -1]) if return_state else y_new
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        xc, g = F.linear(x, self.w_in).chunk(2, dim=-1)
+        xc, g = F.linear(self.shards.enter(x), self.w_in).chunk(2, dim=-1)   # this shard's channels
         conv, window = causal_conv(xc, self.conv_w, self.conv_b, cache.get("conv") if cache else None)
         u = F.silu(conv)
         gate = F.silu(g)
@@ -92,7 +92,7 @@ class FPMambaMixer(FixedPointLayer):
             with torch.no_grad():
                 _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
             cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
-        return F.linear(y, self.w_out)
+        return self.shards.exit(F.linear(y, self.w_out))
 
 
 class FPMambaBlock(torch.nn.Module):

@@ -43,12 +43,14 @@ class FPSAttention(FixedPointLayer):
         if not self.spectral_norm:
             return self.w_q, self.w_k
         update = self.training and torch.is_grad_enabled()
-        return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update),
-                spectral_normalize(self.w_k, self.u_k, self.power_iters, update))
+        total = self.shards.total
+        return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update, total),
+                spectral_normalize(self.w_k, self.u_k, self.power_iters, update, total))
 
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         wq, wk = self.qk_weights()
-        v = split_heads(F.linear(h, self.w_v), self.head_dim)
+        shards = self.shards                # under TP: this rank's heads; z stays whole
+        v = split_heads(F.linear(shards.enter(h), self.w_v), self.head_dim)
         past_k = cache.get("k") if cache is not None else None
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
@@ -61,10 +63,11 @@ class FPSAttention(FixedPointLayer):
             return apply_rope(split_heads(F.linear(z, wk), self.head_dim), cos, sin)
 
         def f(z):
+            z = shards.enter(z)
             q = apply_rope(split_heads(F.linear(z, wq), self.head_dim), cos, sin)
             k = keys(z)
             k_all = k if past_k is None else torch.cat([past_k, k], 2)
-            return F.linear(merge_heads(causal_attention(q, k_all, v_all, scale)), self.w_o)
+            return shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v_all, scale)), self.w_o))
 
         z = self.fixed_point(f, h)
         if cache is not None:

@@ -73,7 +73,9 @@ class LoopedLM(torch.nn.Module):
         return F.linear(h, self.head_weight())
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if logits.dtype in (torch.float16, torch.bfloat16):      # the softmax in fp32, never below
+            logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self(tokens, targets=targets)

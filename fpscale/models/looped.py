@@ -56,11 +56,14 @@ class LoopedCore(FixedPointLayer):
         return a1, b1, a2, b2
 
     def attention(self, l: int, z, cos, sin, past: dict | None):
-        return self_attention(rms_norm(z, self.attn_norm[l], self.eps), self.w_qkv[l], self.w_o[l],
-                              self.head_dim, cos, sin, past)
+        """Sublayer l's attention; under TP this shard's heads, their outputs summed (z stays whole)."""
+        h = self.shards.enter(rms_norm(z, self.attn_norm[l], self.eps))
+        out, k, v = self_attention(h, self.w_qkv[l], self.w_o[l], self.head_dim, cos, sin, past)
+        return self.shards.exit(out), k, v
 
     def mlp(self, l: int, z):
-        return swiglu(rms_norm(z, self.mlp_norm[l], self.eps), self.w_gate[l], self.w_up[l], self.w_down[l])
+        h = self.shards.enter(rms_norm(z, self.mlp_norm[l], self.eps))
+        return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
     def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None):
         a1, b1, _, _ = self.scalings()

@@ -8,8 +8,11 @@ Each mixer acts on v in R^{d_inner} per token and is conditioned on (x_t, y_{t-1
 u_i = normalize(U_x x + U_y y),  a_i = sigmoid(w_x . x + w_y . y + b_i). Theorem 3.1 wants
 ||I - Q|| < 1, which every choice keeps except Householder with negative eigenvalues.
 
-Sums over channels (u . v, ||u||) go through ``channel_sum`` so that a tensor-parallel run,
-where each rank holds a slice of the channels, can all-reduce them.
+Under tensor parallelism each rank holds a slice of the d_inner channels of v, x and y; the
+``shards`` seam (fpscale.models.common.Unsharded) completes what needs all channels:
+Householder/DPLR build this rank's rows of u_i from the gathered x, y and sum the dot products
+u . v, ||u||, w . x over the shards; Kronecker factors mix every channel with every other, so
+it gathers v, x, y, applies Q whole (its small parameters replicated) and keeps its own slice.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.models.config import kronecker_factors
+from fpscale.models.common import Unsharded
 
 # a_i = sigmoid(-2) ~ 0.12 at initialisation: Q starts near I, so the feedback of the previous
 # iterate into x~ = Q(x - y) + y starts weak (a contraction) and training can strengthen it.
@@ -70,30 +74,34 @@ def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
 
 
 def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None,
-                negative_eigs: bool = False, channel_sum=lambda t: t) -> torch.Tensor:
-    """Q_t v for v, x, y of shape [B, T, d_inner]."""
+                negative_eigs: bool = False, shards=Unsharded()) -> torch.Tensor:
+    """Q_t v for v, x, y of shape [B, T, d_inner] (this shard's channels under TP)."""
     if kind == "none":
         return v
     if kind in ("householder", "dplr"):
         B, T, di = v.shape
         rank = params["mix_a_b"].shape[0]
-        u = _proj(params, "u", x, y).view(B, T, rank, di)
-        u = u * torch.rsqrt(channel_sum(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
-        a = torch.sigmoid(channel_sum(_proj(params, "a", x, y)) + params["mix_a_b"])   # [B, T, rank]
+        whole_x = shards.enter(shards.gather(x))
+        whole_y = None if y is None else shards.enter(shards.gather(y))
+        u = _proj(params, "u", whole_x, whole_y).view(B, T, rank, di)
+        u = u * torch.rsqrt(shards.total(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
+        a = shards.enter(torch.sigmoid(shards.exit(_proj(params, "a", x, y)) + params["mix_a_b"]))  # [B, T, rank]
         if kind == "householder":
             a = 2 * a if negative_eigs else a
             for i in range(rank):
                 ui = u[:, :, i]
-                v = v - a[..., i:i + 1] * ui * channel_sum((ui * v).sum(-1, keepdim=True))
+                v = v - a[..., i:i + 1] * ui * shards.total((ui * v).sum(-1, keepdim=True))
             return v
-        dots = channel_sum((u * v.unsqueeze(2)).sum(-1, keepdim=True))           # [B, T, rank, 1]
+        dots = shards.total((u * v.unsqueeze(2)).sum(-1, keepdim=True))           # [B, T, rank, 1]
         return v - ((a / rank).unsqueeze(-1) * dots * u).sum(2)
     if kind == "kronecker":
+        v, x = shards.gather(v), shards.gather(x)
+        y = None if y is None else shards.gather(y)
         B, T, di = v.shape
         d1, d2 = kronecker_factors(di)
         k1 = _normalized_psd(_proj(params, "k1", x, y).view(B, T, d1, d1))
         k2 = _normalized_psd(_proj(params, "k2", x, y).view(B, T, d2, d2))
         a = torch.sigmoid(_proj(params, "a", x, y) + params["mix_a_b"])            # [B, T, 1]
         kv = (k1 @ v.view(B, T, d1, d2) @ k2.transpose(-1, -2)).reshape(B, T, di)
-        return v - a * kv
+        return shards.scatter(v - a * kv)
     raise ValueError(f"unknown channel mixer {kind!r}")

@@ -4,8 +4,9 @@
     row_parallel_linear      W split by input columns: y = sum_ranks x_local W_local^T
     vocab_parallel_embedding the table split by vocabulary rows; the ranks' lookups are summed
     vocab_parallel_cross_entropy  CE over vocabulary-sharded logits; full logits never gathered
+    shard / unshard          a rank's slice of a whole tensor, and the whole from every slice
 Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them once in
-the gradient norm) and ``partition_dim``.
+the gradient norm), ``partition_dim`` and ``tp_view`` (how to merge and re-split them).
 """
 from __future__ import annotations
 
@@ -16,17 +17,41 @@ import torch.nn.functional as F
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
 
 
-def shard(weight: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's contiguous slice of ``weight`` along ``dim`` (must divide evenly)."""
-    if weight.shape[dim] % world:
-        raise ValueError(f"dimension {dim} of size {weight.shape[dim]} is not divisible by the TP size {world}")
-    return weight.chunk(world, dim=dim)[rank].clone()
+def shard(whole: torch.Tensor, dim: int, rank: int, world: int, view: tuple[int, ...] | None = None,
+          view_dim: int | None = None) -> torch.Tensor:
+    """This rank's slice of ``whole``: viewed as ``view`` (default: its shape), cut into ``world``
+    equal pieces along ``view_dim`` (default ``dim``), reshaped to the whole shape with ``dim``
+    divided by ``world``. E.g. fused q/k/v [3d, d] viewed as [3, heads, dh, d] and cut on the
+    heads: each rank keeps its heads of q, of k and of v."""
+    view = tuple(whole.shape) if view is None else tuple(view)
+    view_dim = dim if view_dim is None else view_dim
+    if view[view_dim] % world:
+        raise ValueError(f"dimension {view_dim} of size {view[view_dim]} is not divisible by the TP size {world}")
+    local_shape = list(whole.shape)
+    local_shape[dim] //= world
+    return whole.reshape(view).chunk(world, view_dim)[rank].reshape(local_shape).clone()
 
 
-def mark_tensor_parallel(p: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
-    p.tensor_model_parallel = True
-    p.partition_dim = dim
-    return p
+def unshard(pieces: list[torch.Tensor], dim: int, view: tuple[int, ...] | None = None,
+            view_dim: int | None = None) -> torch.Tensor:
+    """The inverse of :func:`shard`: the whole tensor from every rank's slice, in rank order."""
+    world = len(pieces)
+    whole_shape = list(pieces[0].shape)
+    whole_shape[dim] *= world
+    view = tuple(whole_shape) if view is None else tuple(view)
+    view_dim = dim if view_dim is None else view_dim
+    local_view = list(view)
+    local_view[view_dim] //= world
+    return torch.cat([p.reshape(local_view) for p in pieces], view_dim).reshape(whole_shape)
+
+
+def mark_tensor_parallel(t: torch.Tensor, dim: int, view: tuple[int, ...] | None = None,
+                         view_dim: int | None = None) -> torch.Tensor:
+    """Tag a split tensor: DeepSpeed counts it once in the gradient norm; checkpoints merge it."""
+    t.tensor_model_parallel = True
+    t.partition_dim = dim
+    t.tp_view = (None if view is None else tuple(view), dim if view_dim is None else view_dim)
+    return t
 
 
 def column_parallel_linear(x: torch.Tensor, w_local: torch.Tensor, group) -> torch.Tensor:

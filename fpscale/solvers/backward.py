@@ -17,12 +17,13 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Consensus, _per_token, iterate
+from fpscale.solvers.iterate import Consensus, StateReduce, _per_token, iterate
 from fpscale.solvers.stats import SolverStats
 
 
 def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
-                    stats: SolverStats, consensus: Consensus | None) -> torch.Tensor:
+                    stats: SolverStats, consensus: Consensus | None,
+                    state_reduce: StateReduce | None = None) -> torch.Tensor:
     """Return a tensor equal to z* whose backward is the implicit-function-theorem gradient."""
     z_in = z_star.detach().requires_grad_()
     fz = f(z_in)
@@ -39,7 +40,8 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             return (vjp + g) * mask
 
         with torch.no_grad():
-            result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus)
+            result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
+                             state_reduce=state_reduce)
         stats.backward_iterations = result.iterations
         stats.backward_residual = float(result.token_res.max()) if result.token_res.numel() else 0.0
         return result.z

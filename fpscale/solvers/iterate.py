@@ -21,16 +21,26 @@ from fpscale.solvers.config import SolverConfig
 # A consensus callable takes a small int64 tensor of flags and returns their element-wise
 # maximum over a process group, so every rank of that group takes the same decision.
 Consensus = Callable[[torch.Tensor], torch.Tensor]
+# A state reduction completes per-token partial norms when the iterate itself is split over a
+# process group (tensor-parallel channels): (tensor, "sum" | "max") -> the group's total.
+StateReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-def token_residual(new: torch.Tensor, old: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
+def token_residual(new: torch.Tensor, old: torch.Tensor, norm: str, eps: float,
+                   state_reduce: StateReduce | None = None) -> torch.Tensor:
     """Relative change per token: [B, T, ...] -> [B, T] (float32 or float64)."""
     dtype = torch.float64 if new.dtype == torch.float64 else torch.float32
     diff = (new - old).to(dtype).flatten(2) if new.dim() > 2 else (new - old).to(dtype).unsqueeze(-1)
     ref = new.to(dtype).flatten(2) if new.dim() > 2 else new.to(dtype).unsqueeze(-1)
     if norm == "inf":
-        return diff.abs().amax(-1) / (ref.abs().amax(-1) + eps)
-    return torch.linalg.vector_norm(diff, dim=-1) / (torch.linalg.vector_norm(ref, dim=-1) + eps)
+        parts = torch.stack([diff.abs().amax(-1), ref.abs().amax(-1)])
+        if state_reduce is not None:
+            parts = state_reduce(parts, "max")
+        return parts[0] / (parts[1] + eps)
+    if state_reduce is None:
+        return torch.linalg.vector_norm(diff, dim=-1) / (torch.linalg.vector_norm(ref, dim=-1) + eps)
+    sq = state_reduce(torch.stack([diff.pow(2).sum(-1), ref.pow(2).sum(-1)]), "sum").sqrt()
+    return sq[0] / (sq[1] + eps)
 
 
 def _per_token(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -41,8 +51,8 @@ def _per_token(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class _Anderson:
     """Type-II Anderson mixing per sample over a window of m past (z, f(z)) pairs."""
 
-    def __init__(self, window: int, lam: float):
-        self.window, self.lam = window, lam
+    def __init__(self, window: int, lam: float, state_reduce: StateReduce | None = None):
+        self.window, self.lam, self.state_reduce = window, lam, state_reduce
         self.xs: list[torch.Tensor] = []
         self.fs: list[torch.Tensor] = []
 
@@ -61,6 +71,8 @@ class _Anderson:
         H = torch.zeros(B, n + 1, n + 1, dtype=torch.float64, device=z.device)
         H[:, 0, 1:] = H[:, 1:, 0] = 1
         gram = G @ G.transpose(1, 2)
+        if self.state_reduce is not None:     # the state is split over ranks: sum the partial Gram
+            gram = self.state_reduce(gram, "sum")
         scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
         H[:, 1:, 1:] = gram + self.lam * scale * torch.eye(n, dtype=torch.float64, device=z.device)
         rhs = torch.zeros(B, n + 1, 1, dtype=torch.float64, device=z.device)
@@ -82,11 +94,12 @@ class IterateResult:
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None,
-            max_iter: int | None = None) -> IterateResult:
+            state_reduce: StateReduce | None = None, max_iter: int | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
-    the stop decision always uses detached values.
+    the stop decision always uses detached values. ``state_reduce`` is given when ``z`` is
+    this rank's slice of a state split over a group (norms and Anderson's Gram are completed).
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
     B = z0.shape[0]
@@ -97,7 +110,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     patience_left = torch.tensor(cfg.patience, device=dev)
     frozen = torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev)
     token_res = torch.full(z0.shape[:2], float("inf"), device=dev)
-    anderson = _Anderson(cfg.anderson, cfg.anderson_lambda) if cfg.anderson else None
+    anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
     limit = quantile * B
     stopped_by = "max_iter"
     k = 0
@@ -107,7 +120,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
             got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
             raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
         with torch.no_grad():
-            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps)
+            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
             res = torch.where(frozen, token_res.to(res.dtype), res)
             sample_res = res.amax(1)
             finite = torch.isfinite(sample_res)

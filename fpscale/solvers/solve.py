@@ -15,19 +15,21 @@ import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Consensus, iterate
+from fpscale.solvers.iterate import Consensus, StateReduce, iterate
 from fpscale.solvers.stats import SolverStats
 
 
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
           *, training: bool | None = None, consensus: Consensus | None = None,
-          max_iter: int | None = None) -> tuple[torch.Tensor, SolverStats]:
+          state_reduce: StateReduce | None = None, max_iter: int | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
     training   selects the stop quantile: ``config.stop_quantile`` when True, 0 otherwise.
                None means "whether grad mode is on".
     consensus  reduces the stop decision over a process group (all TP ranks must iterate
                the same number of times); see :mod:`fpscale.solvers.iterate`.
+    state_reduce  completes per-token norms over a group when z is split over it (the
+               channels of a tensor-parallel FP-Mamba layer); None when z is whole on every rank.
     max_iter   overrides ``config.max_iter`` for this call (randomised caps).
     Returns (z, stats). With grad mode on, z carries the gradient of ``config.backward``.
     """
@@ -46,7 +48,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile,
-                         consensus=consensus, max_iter=max_iter)
+                         consensus=consensus, state_reduce=state_reduce, max_iter=max_iter)
     stats = SolverStats(iterations=result.iterations, max_iter=max_iter or cfg.max_iter,
                         stopped_by=result.stopped_by, sample_residual=result.token_res.amax(1),
                         token_converged=result.token_converged, final_eta=result.eta, tol=cfg.tol)
@@ -54,5 +56,5 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if not grad or unroll:
         return z, stats
     if cfg.backward == "implicit":
-        return attach_implicit(f, z, cfg, stats, consensus), stats
+        return attach_implicit(f, z, cfg, stats, consensus, state_reduce), stats
     return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats

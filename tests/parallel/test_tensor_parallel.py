@@ -1,4 +1,4 @@
-"""Tensor parallelism (attn layers, vocab-parallel embedding and loss) against one process."""
+"""Tensor parallelism of every layer type against the whole model and against one process."""
 import sys
 from types import SimpleNamespace
 
@@ -11,19 +11,27 @@ from tests.parallel.launch import read_ranks, run, torchrun
 SCRIPT = "tests/parallel/run_layout.py"
 
 
+@pytest.mark.multiprocess
+def test_every_layer_type_split_over_tp_equals_the_whole_model(tmp_path):
+    """float64: loss, every merged gradient, power-iteration vectors and iteration counts (forward
+    and adjoint) of attn, fpsa, fpmamba (Householder, DPLR, Kronecker) and looped layers."""
+    torchrun(2, "tests/parallel/run_tp_model.py", [str(tmp_path)], timeout=300)
+    assert (tmp_path / "ok").exists()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref_attn")
-    run([sys.executable, SCRIPT, str(out), "config=tiny_attn.yaml"], timeout=300)
+    out = tmp_path_factory.mktemp("ref_mixed")
+    run([sys.executable, SCRIPT, str(out)], timeout=300)
     (ref,) = read_ranks(str(out))
     return ref
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc,zero", [(2, 1), (4, 2)], ids=["tp2-zero1", "tp2xdp2-zero2"])
+@pytest.mark.parametrize("nproc,zero", [(2, 1), (2, 3), (4, 2)], ids=["tp2-zero1", "tp2-zero3", "tp2xdp2-zero2"])
 def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
-    torchrun(nproc, SCRIPT, [str(tmp_path), "config=tiny_attn.yaml", "parallel.tp=2", f"zero_stage={zero}"],
-             timeout=400)
+    """tiny_mixed (attn, fpsa, fpmamba, looped) trained 5 steps on a TP layout vs one process."""
+    torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}"], timeout=400)
     ranks = read_ranks(str(tmp_path))
     assert len(ranks) == nproc
     for r in ranks:
@@ -32,6 +40,11 @@ def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         assert r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    # the two ranks of a TP group iterate together (consensus), step by step and layer by layer
+    for a, b in zip(ranks[0::2], ranks[1::2]):
+        assert [s["iterations"] for s in a["steps"]] == [s["iterations"] for s in b["steps"]]
+    if nproc == 2:      # TP alone: the very micro-batches of one process, so its very counts
+        assert [s["iterations"] for s in ranks[0]["steps"]] == [s["iterations"] for s in reference["steps"]]
 
 
 def test_bad_tp_sizes_name_the_numbers():
@@ -41,8 +54,12 @@ def test_bad_tp_sizes_name_the_numbers():
     state.tp_size = 2
     with pytest.raises(ValueError, match=r"model.vocab_size = 8001 is not divisible by parallel.tp = 2"):
         parallelize(fpscale.build_model(fpscale.load_config(None, ["model.vocab_size=8001"])), state)
-    with pytest.raises(ValueError, match=r"shards attn layers only so far; model.layers.0 is 'fpsa'"):
-        parallelize(fpscale.build_model(fpscale.load_config(None, ["model.layers.0.type=fpsa"])), state)
+    state.tp_size = 8      # d_inner = 2 x 66 = 132 channels; an fpmamba-only model has no heads to check
+    with pytest.raises(ValueError, match=r"d_inner of model.layers.0 \(expand 2 x d_model 66\) = 132 is not "
+                                         r"divisible by parallel.tp = 8"):
+        parallelize(fpscale.build_model(fpscale.load_config(
+            None, ["model.layers.0.type=fpmamba", "model.d_model=66", "model.n_heads=3", "model.vocab_size=8000"])),
+            state)
 
 
 def test_decoding_a_tp_shard_is_refused():

@@ -1,0 +1,106 @@
+"""Under torchrun with 2 processes: every layer type split over TP against the whole model, float64.
+
+Each rank builds the same whole model (same seed), keeps a copy, splits the other with
+``parallelize`` and runs both on the same tokens: loss, every gradient (the shards' gradients
+merged with ``unshard``), the iteration counts of every solve (forward and adjoint) and the
+power-iteration vectors must agree. Rank 0 writes OUT/ok on success.
+
+    torchrun --nproc_per_node 2 tests/parallel/run_tp_model.py OUT
+"""
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import fpscale  # noqa: E402
+from fpscale.parallel.layers import unshard  # noqa: E402
+from fpscale.parallel.parallelize import parallelize  # noqa: E402
+from fpscale.parallel.state import ParallelState  # noqa: E402
+
+BASE = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max_seq_len=16", "data.seq_len=12",
+        "solver.stop_quantile=0.0", "solver.tol=1e-6", "solver.max_iter=30"]
+CASES = {
+    "attn": ["model.layers.0.type=attn"],
+    "fpsa-implicit": ["model.layers.0.type=fpsa", "solver.backward=implicit", "solver.backward_tol=1e-8",
+                      "solver.backward_max_iter=60"],
+    "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.backward=unroll", "solver.anderson=3"],
+    "fpmamba-householder-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4",
+                                     "solver.backward=implicit", "solver.backward_tol=1e-6",
+                                     "solver.backward_max_iter=60", "solver.tol=1e-3"],
+    "fpmamba-dplr-phantom": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=dplr", "model.layers.0.d_state=4",
+                             "solver.backward=phantom", "solver.tol=1e-3", "solver.anderson=2"],
+    "fpmamba-kronecker-jfb": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=kronecker",
+                              "model.layers.0.d_state=4", "solver.backward=jfb", "solver.tol=1e-2"],
+    "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
+                             "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+}
+TOL = dict(rtol=1e-9, atol=1e-12)     # float64; observed <= 3e-11 (other summation order)
+
+
+def check_case(name, overrides, state, tokens, targets):
+    torch.manual_seed(0)
+    cfg = fpscale.load_config(None, BASE + overrides)
+    whole = fpscale.build_model(cfg).double()
+    with torch.no_grad():                   # a non-zero conv / y-feedback so those paths count
+        for n, p in whole.named_parameters():
+            if n.endswith(("conv_w", "y_proj")) and p.abs().sum() == 0:
+                p.normal_(0, 0.1)
+    split = parallelize(copy.deepcopy(whole), state)
+    whole.train(), split.train()
+    losses = []
+    for model in (whole, split):
+        loss = model(tokens, targets=targets)
+        loss.backward()
+        losses.append(loss.item())
+    want, got = losses
+    assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
+
+    params = dict(split.named_parameters())
+    for n, p in whole.named_parameters():
+        g = params[n].grad
+        if getattr(params[n], "tensor_model_parallel", False):
+            pieces = [torch.empty_like(g) for _ in range(state.tp_size)]
+            dist.all_gather(pieces, g.contiguous(), group=state.tp_group)
+            view, view_dim = params[n].tp_view
+            g = unshard(pieces, params[n].partition_dim, view, view_dim)
+        assert torch.allclose(g, p.grad, **TOL), (name, n, (g - p.grad).abs().max().item())
+    buffers = dict(split.named_buffers())
+    for n, b in whole.named_buffers():       # power-iteration vectors stay those of the whole matrix
+        if getattr(buffers[n], "tensor_model_parallel", False):
+            pieces = [torch.empty_like(buffers[n]) for _ in range(state.tp_size)]
+            dist.all_gather(pieces, buffers[n].contiguous(), group=state.tp_group)
+            assert torch.allclose(unshard(pieces, 0), b, **TOL), (name, n)
+
+    mine = {k: (s.iterations, s.backward_iterations) for k, s in split.solver_stats().items()}
+    theirs = [None] * state.tp_size
+    dist.all_gather_object(theirs, mine, group=state.tp_group)
+    assert all(t == mine for t in theirs), (name, theirs)
+    ref = {k: (s.iterations, s.backward_iterations) for k, s in whole.solver_stats().items()}
+    assert mine == ref, (name, mine, ref)
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    state = ParallelState(rank=rank, world_size=world, local_rank=rank, tp_size=world, tp_rank=rank,
+                          dp_size=1, dp_rank=0, tp_group=group, dp_group=None, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 32, (3, 12), generator=g)
+    targets = torch.randint(0, 32, (3, 12), generator=g)
+    only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba while debugging one layer type
+    for name, overrides in CASES.items():
+        if only and only not in name:
+            continue
+        check_case(name, overrides, state, tokens, targets)
+    dist.barrier()
+    if rank == 0:
+        open(os.path.join(out, "ok"), "w").write("ok\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
