@@ -5,6 +5,7 @@
     vocab_parallel_embedding the table split by vocabulary rows; the ranks' lookups are summed
     vocab_parallel_cross_entropy  CE over vocabulary-sharded logits; full logits never gathered
     shard / unshard          a rank's slice of a whole tensor, and the whole from every slice
+    global_grad_norm         the whole model's gradient norm from split and replicated parameters
 Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them once in
 the gradient norm), ``partition_dim`` and ``tp_view`` (how to merge and re-split them).
 """
@@ -52,6 +53,23 @@ def mark_tensor_parallel(t: torch.Tensor, dim: int, view: tuple[int, ...] | None
     t.partition_dim = dim
     t.tp_view = (None if view is None else tuple(view), dim if view_dim is None else view_dim)
     return t
+
+
+def global_grad_norm(params, tp_group) -> torch.Tensor:
+    """L2 norm of the gradients of the whole model from one TP rank's parameters: the squares of
+    split parameters (``tensor_model_parallel``) are summed over the TP group, replicated ones
+    counted once. Gradients must already be reduced over data parallelism."""
+    split = torch.zeros((), dtype=torch.float64)
+    whole = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if getattr(p, "tensor_model_parallel", False):
+            split += sq
+        else:
+            whole += sq
+    return (_all_reduce(split, tp_group) + whole).sqrt()
 
 
 def column_parallel_linear(x: torch.Tensor, w_local: torch.Tensor, group) -> torch.Tensor:

@@ -32,6 +32,9 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                channels of a tensor-parallel FP-Mamba layer); None when z is whole on every rank.
     max_iter   overrides ``config.max_iter`` for this call (randomised caps).
     Returns (z, stats). With grad mode on, z carries the gradient of ``config.backward``.
+    A non-finite z0 (an upstream NaN) is not an error: the solve stops at its first step with
+    ``stopped_by == "nonfinite"``, so the NaN reaches the loss and the trainer skips the step
+    on every rank (raising on one rank would leave its peers waiting in a collective).
     """
     cfg = config or SolverConfig()
     if not isinstance(z0, torch.Tensor) or z0.dim() < 2:
@@ -39,8 +42,6 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                          f"{tuple(z0.shape) if isinstance(z0, torch.Tensor) else type(z0).__name__}")
     if max_iter is not None and max_iter < 1:
         raise ValueError(f"solve: max_iter must be >= 1, got {max_iter}")
-    if not bool(torch.isfinite(z0).all()):
-        raise ValueError("solve: the initial iterate z0 contains NaN or Inf")
     if training is None:
         training = torch.is_grad_enabled()
     quantile = cfg.stop_quantile if training else 0.0

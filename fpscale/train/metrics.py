@@ -64,8 +64,9 @@ class MetricsWriter:
                          for name, s in record.get("layers", {}).items())
         mfu = (f" mfu {record['mfu_executed']:.1%}/{record['mfu_nominal']:.1%}" if "mfu_executed" in record
                else f" {record['tflops_executed'] * 1e3:.1f}/{record['tflops_nominal'] * 1e3:.1f} GFLOP/s")
+        skipped = f" skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
         print(f"step {step:>6}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-              f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s{mfu} "
+              f"gnorm {record['grad_norm']:.3f}{skipped} {record['tokens_per_s']:,.0f} tok/s{mfu} "
               f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}", flush=True)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -16,11 +17,13 @@ import yaml
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.models import build_model
+from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import resolve_grad_accum
 from fpscale.train.flops import peak_tflops, training_flops
+from fpscale.train.optim import AdamW
 from fpscale.train.schedule import lr_at
 
 
@@ -88,7 +91,8 @@ class Trainer:
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
-        optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        self.skipped_steps = 0
         self.engine = None
         if self.state.distributed:
             import deepspeed
@@ -131,9 +135,10 @@ class Trainer:
                 loss = self.engine(inputs, targets=targets)
                 self.engine.backward(loss)
                 if i == len(micro_batches) - 1 and self.cfg.parallel.zero_stage == 0:
-                    # ZeRO-0 reports no norm: the gradients are all-reduced by now, take it before the step
-                    grad_norm = float(torch.nn.utils.get_total_norm(
-                        [p.grad for p in model.parameters() if p.grad is not None]))
+                    # ZeRO-0 reports no norm and does not skip: the gradients are all-reduced by
+                    # now; the norm (TP-aware, the same on every rank) decides the skip
+                    grad_norm = float(global_grad_norm(model.parameters(), self.state.tp_group))
+                    self.optimizer.skip_next = not math.isfinite(grad_norm)
                 self.engine.step()
                 total += float(loss.detach()) / len(micro_batches)
             else:
@@ -143,17 +148,19 @@ class Trainer:
                 total += float(loss.detach())
             collect_solver_stats(model, layer_stats)
         if self.engine is not None:
-            if grad_norm is None:
+            if grad_norm is None:      # ZeRO 1-3 skip a non-finite step themselves and report inf
                 grad_norm = float(self.engine.get_global_grad_norm())
             total = self.dp_mean(total)
         else:
             params = [p for p in model.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf")))
-            if torch.isfinite(torch.tensor(grad_norm)):
-                self.optimizer.step()
+            self.optimizer.skip_next = not math.isfinite(grad_norm)
+            self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        skipped = not math.isfinite(grad_norm)
+        self.skipped_steps += skipped
         self.step += 1
-        return {"loss": total, "lr": lr, "grad_norm": grad_norm, "layer_stats": layer_stats,
+        return {"loss": total, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "layer_stats": layer_stats,
                 "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
 
     def compute_record(self, layers: dict[str, dict], tokens_per_s: float) -> dict:
@@ -227,7 +234,8 @@ class Trainer:
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
                 layers = summarize_layers(window)
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
-                          "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+                          "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.skipped_steps,
+                          "tokens_per_s": tokens_per_s,
                           **self.compute_record(layers, tokens_per_s), "layers": layers}
                 self.metrics.log(record)
                 self.metrics.console(self.step, t.steps, record)

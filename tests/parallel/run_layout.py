@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/parallel/run_layout.py OUT_DIR zero_stage=3 [key=value ...]
     python tests/parallel/run_layout.py OUT_DIR                         # the one-process reference
-Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence).
+Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
+``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss).
 """
 import json
 import os
@@ -22,8 +23,9 @@ def main():
     out, args = sys.argv[1], sys.argv[2:]
     zero = [a.split("=")[1] for a in args if a.startswith("zero_stage=")]
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
+    nan_at = [int(a.split("=")[1]) for a in args if a.startswith("nan_at=")]
     config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
-    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config="))]
+    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config=", "nan_at="))]
     if zero:
         overrides.append(f"parallel.zero_stage={zero[0]}")
     rank = int(os.environ.get("RANK", "0"))
@@ -32,10 +34,13 @@ def main():
         overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
     cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", config), overrides)
     trainer = Trainer(cfg, log=False)
+    if nan_at and rank == trainer.state.world_size - 1:
+        trainer.model.embed.register_forward_hook(
+            lambda m, i, out: out * float("nan") if trainer.step == nan_at[0] else out)
     steps = []
     for _ in range(cfg.train.steps):
         s = trainer.train_step()
-        steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"],
+        steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
                       "iterations": {k: [r["iterations"] for r in v] for k, v in s["layer_stats"].items()}})
     val = trainer.evaluate()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:

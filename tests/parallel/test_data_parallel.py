@@ -42,3 +42,25 @@ def test_zero3_with_uneven_convergence_across_ranks_finishes(tmp_path):
               if r0["steps"][0]["iterations"][layer] != r1["steps"][0]["iterations"][layer]]
     assert {"layers.1.fpsa", "layers.2.fpmamba"} <= set(differ), (r0["steps"][0], r1["steps"][0])
     assert all(s["grad_norm"] == s["grad_norm"] for s in r0["steps"])     # finite, not NaN
+
+
+@pytest.fixture(scope="module")
+def reference_nan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref_nan")
+    run([sys.executable, SCRIPT, str(out), "nan_at=2"], timeout=300)
+    (ref,) = read_ranks(str(out))
+    return ref
+
+
+@pytest.mark.parametrize("layout", ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"])
+def test_one_rank_nan_skips_the_step_on_every_rank(tmp_path, reference_nan, layout):
+    """The last rank's loss is NaN in step 2: every rank skips that update (the global gradient norm
+    is not finite everywhere) and goes on exactly as one process that skipped the same step."""
+    assert [s["skipped"] for s in reference_nan["steps"]] == [False, False, True, False, False]
+    torchrun(2, SCRIPT, [str(tmp_path), "nan_at=2", *([layout] if "zero" in layout else [layout, "zero_stage=1"])])
+    for r in read_ranks(str(tmp_path)):
+        assert [s["skipped"] for s in r["steps"]] == [False, False, True, False, False]
+        for i, (got, want) in enumerate(zip(r["steps"], reference_nan["steps"])):
+            if i != 2:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert r["val_loss"] == pytest.approx(reference_nan["val_loss"], rel=1e-5)
