@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fpscale.models.common import RMSNorm, Unsharded, init_linear, rope_span, self_attention, swiglu, swiglu_hidden
 
@@ -27,10 +28,11 @@ class MLP(torch.nn.Module):
 class Attention(torch.nn.Module):
     """Causal self-attention with RoPE and an optional KV cache for decoding."""
 
-    def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float):
+    def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
+                 dropout: float = 0.0):
         super().__init__()
         self.head_dim = d_model // n_heads
-        self.rope_theta = rope_theta
+        self.rope_theta, self.dropout = rope_theta, dropout
         self.w_qkv = torch.nn.Parameter(torch.empty(3 * d_model, d_model))
         self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
         init_linear(self.w_qkv, init_std)
@@ -39,7 +41,9 @@ class Attention(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
-        out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache)
+        with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
+            out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
+                                       self.dropout if self.training else 0.0)
         if cache is not None:
             cache["k"], cache["v"] = k, v
         return self.shards.exit(out)
@@ -55,10 +59,11 @@ class AttnBlock(torch.nn.Module):
         self.attn = self.make_attention(cfg, spec, solver, out_std)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+        self.dropout = cfg.dropout
 
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std)
+        return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout)
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), pos, cache)
-        return x + self.mlp(self.norm2(x))
+        x = x + F.dropout(self.attn(self.norm1(x), pos, cache), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)

@@ -4,6 +4,7 @@ fixed-point solve inside one ``forward`` on its own parameters (what ZeRO-3 need
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,12 +26,17 @@ class Unsharded:
       total(x)     a partial sum that every shard uses again         sum / sum   (= enter(exit(x)))
       gather(x)    the sharded last dim made whole (replicated)      all-gather / own slice
       scatter(x)   this shard's slice of a replicated last dim       own slice / all-gather
+      rng()        a context in which random draws differ per shard (fpscale.parallel.random)
       consensus    the solver's stop flags, MAX over the shards (every shard iterates alike)
       state_reduce the solver's per-token norms summed / maxed over the shards, when the solved
                    state itself is split (fpmamba's channels); None when it is whole
     """
     consensus = None
     state_reduce = None
+
+    def rng(self):
+        """Context for random draws inside the region (dropout): the TP stream under TP."""
+        return contextlib.nullcontext()
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -81,11 +87,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: torch.Tensor | float | None = None) -> torch.Tensor:
+                     scale: torch.Tensor | float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of q [B, H, Tq, dh] over k, v [B, H, Tk, dh] with Tk >= Tq.
 
     The query block sits at the end of the key sequence (decoding with a cache): the mask is
-    aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature).
+    aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature);
+    ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval).
     flash-attn is used on CUDA for fp16/bf16 with a scalar scale; SDPA otherwise.
     """
     Tq, Tk = q.shape[-2], k.shape[-2]
@@ -93,26 +100,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if (flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and not per_head):
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                              softmax_scale=scale)
+                              softmax_scale=scale, dropout_p=dropout_p)
         return out.transpose(1, 2)
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
         q = q * scale.view(1, -1, 1, 1).to(q.dtype)
         scale = 1.0
     if Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 
 def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head_dim: int, cos, sin,
-                   past: dict | None = None):
+                   past: dict | None = None, dropout_p: float = 0.0):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
     tokens. Returns (output, k, v) with k, v covering past and new tokens."""
     q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if past:
         k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
-    return F.linear(merge_heads(causal_attention(q, k, v)), w_o), k, v
+    return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p)), w_o), k, v
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

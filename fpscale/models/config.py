@@ -77,6 +77,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = True
+    dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
+    attn_dropout: float = 0.0     # on the attention probabilities of attn layers
+    # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
     layers: list[LayerSpec] = field(default_factory=lambda: [LayerSpec(type="attn", repeat=2)])
     iteration_cap: IterationCap = field(default_factory=IterationCap)
 
@@ -88,6 +91,9 @@ class ModelConfig:
               f"must divide d_model: {self.d_model} % {self.n_heads} = {self.d_model % self.n_heads}")
         check((self.d_model // self.n_heads) % 2 == 0, f"{prefix}.n_heads",
               f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE")
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            check(0.0 <= value < 1.0, f"{prefix}.{name}", f"must lie in [0, 1), got {value}")
         check(self.mlp_ratio > 0, f"{prefix}.mlp_ratio", f"must be > 0, got {self.mlp_ratio}")
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")

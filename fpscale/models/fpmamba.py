@@ -100,6 +100,7 @@ class FPMambaBlock(torch.nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        return x + self.mixer(self.norm(x), pos, cache)
+        return x + F.dropout(self.mixer(self.norm(x), pos, cache), self.dropout, self.training)

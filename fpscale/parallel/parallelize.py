@@ -40,13 +40,17 @@ from fpscale.parallel.layers import (mark_tensor_parallel, shard, vocab_parallel
                                      vocab_parallel_embedding)
 from fpscale.parallel.mappings import (_all_reduce, copy_to_tp, gather_from_tp, reduce_from_tp,
                                        scatter_to_tp)
+from fpscale.parallel.random import RNGTracker
 
 
 class TensorParallelShards:
     """The collectives of a TP region over ``group`` (see ``Unsharded`` for the contract)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, tracker: RNGTracker):
+        self.group, self.tracker = group, tracker
+
+    def rng(self):
+        return self.tracker.fork()
 
     def enter(self, x):
         return copy_to_tp(x, self.group)
@@ -146,10 +150,13 @@ def _split_fpmamba(m: FPMambaMixer, rank: int, tp: int) -> None:
     # Kronecker: its factors mix all channels; the mixer gathers and keeps the parameters whole
 
 
-def parallelize(model, state):
+def parallelize(model, state, tracker: RNGTracker | None = None):
+    """Split ``model`` for this rank; ``tracker`` holds the per-shard random stream (dropout
+    inside TP regions), by default one seeded from the model's seed."""
     tp = state.tp_size
     if tp == 1:
         return model
+    tracker = tracker or RNGTracker.for_tp(model.seed, state)
     check_divisibility(model.cfg, tp)
     rank, group = state.tp_rank, state.tp_group
     splitters = ((Attention, _split_heads_mlp_attention), (MLP, _split_mlp), (FPSAttention, _split_fpsa),
@@ -158,7 +165,7 @@ def parallelize(model, state):
         for kind, split_module in splitters:
             if isinstance(module, kind):
                 split_module(module, rank, tp)
-                module.shards = TensorParallelShards(group)
+                module.shards = TensorParallelShards(group, tracker)
     split(model.embed, "weight", rank, tp, 0)
     if model.lm_head is not None:
         split(model, "lm_head", rank, tp, 0)

@@ -19,6 +19,7 @@ from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.models import build_model
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
+from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import resolve_grad_accum
@@ -85,9 +86,12 @@ class Trainer:
         t = cfg.train
         self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
         self.grad_accum = resolve_grad_accum(t, self.state.dp_size)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)           # the same initial weights on every rank
         self.device = self.state.device
-        self.model = parallelize(build_model(cfg), self.state).to(self.device)
+        model = build_model(cfg)
+        seed_default_stream(cfg.seed, self.state)
+        self.rng = RNGTracker.for_tp(cfg.seed, self.state)
+        self.model = parallelize(model, self.state, self.rng).to(self.device)
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)

@@ -43,8 +43,12 @@ def main():
         steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
                       "iterations": {k: [r["iterations"] for r in v] for k, v in s["layer_stats"].items()}})
     val = trainer.evaluate()
+    # replicated (not TP-split) weights: every TP shard must hold the very same values
+    replicated = {n: float(p.detach().double().sum()) for n, p in trainer.model.named_parameters()
+                  if not getattr(p, "tensor_model_parallel", False) and p.numel() > 0}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size}, fh)
+        json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size,
+                   "replicated": replicated}, fh)
 
 
 if __name__ == "__main__":

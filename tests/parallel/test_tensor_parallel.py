@@ -76,3 +76,38 @@ def test_world_size_not_divisible_by_tp(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=r"world size 3 is not divisible by parallel.tp = 2"):
         init_parallel(2)
+
+
+@pytest.mark.multiprocess
+def test_dropout_under_tp_keeps_replicated_weights_identical(tmp_path):
+    """Residual dropout draws the same mask on both shards (default stream, seeded per replica) and
+    attention dropout a mask per shard (the TP stream): replicated weights stay equal across shards."""
+    torchrun(2, SCRIPT, [str(tmp_path), "parallel.tp=2", "zero_stage=1", "model.dropout=0.2",
+                         "model.attn_dropout=0.2"], timeout=300)
+    r0, r1 = read_ranks(str(tmp_path))
+    assert r0["replicated"] and r0["replicated"] == r1["replicated"]
+
+
+def test_rng_tracker_streams():
+    import torch
+    from fpscale.parallel.random import RNGTracker, load_rng_state, rng_state, seed_default_stream
+    shards = [SimpleNamespace(tp_rank=r, dp_rank=0, device=torch.device("cpu")) for r in (0, 1)]
+    draws = []
+    for s in shards:
+        seed_default_stream(7, s)
+        tracker = RNGTracker.for_tp(7, s)
+        with tracker.fork():
+            in_region = torch.rand(4)
+        draws.append((in_region, torch.rand(4)))
+    assert not torch.equal(draws[0][0], draws[1][0])      # a different mask per shard in the region
+    assert torch.equal(draws[0][1], draws[1][1])          # the same replicated stream outside it
+    seed_default_stream(7, shards[0])
+    assert torch.equal(torch.rand(4), draws[0][1])        # the fork left the default stream alone
+    saved = rng_state(tracker, torch.device("cpu"))
+    with tracker.fork():
+        a = torch.rand(3)
+    b = torch.rand(3)
+    load_rng_state(saved, tracker, torch.device("cpu"))
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), a)
+    assert torch.equal(torch.rand(3), b)
