@@ -55,7 +55,7 @@ def step_ratio(config: str, steps: int = 5) -> dict:
     import fpscale
     from fpscale.train.trainer import Trainer
     cfg = fpscale.load_config(config, ["train.eval_interval=100000", "train.log_interval=100000",
-                                       f"train.steps={steps + 1}"])
+                                       f"train.steps={steps + 1}", "train.resume=none"])
     trainer = Trainer(cfg, log=False)
     trainer.train_step()                                            # warm-up
     t_load = t_step = 0.0

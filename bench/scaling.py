@@ -1,6 +1,6 @@
 """Parallel layouts: tokens/s and bytes communicated per step beside the theoretical volume.
 
-    python bench/scaling.py          # tiny_mixed: 1 process, DP2 x ZeRO 0-3; tiny_attn: 1, DP2, TP2, TP2xDP2
+    python bench/scaling.py   # tiny_mixed: 1, DP2 x ZeRO 0-3, TP2, TP2xDP2; tiny_attn: 1, DP2, TP2, TP2xDP2
 
 Each layout trains under torchrun (gloo on CPU) with DeepSpeed's comms logger on; after warm-up
 the logged collectives of the timed steps are turned into ring traffic per rank:
@@ -13,6 +13,8 @@ Tensor parallelism (attn layers) adds, per micro-batch and rank, 4L + 2 all-redu
 B x T x d activations (two per block in forward, two in backward, the embedding and the output
 projection) and three [B x T] reductions of the vocab-parallel loss, each 2(n-1)/n of its size;
 they are counted by fpscale.parallel.mappings.TP_TRAFFIC (DeepSpeed's logger does not see them).
+A looped layer under TP communicates once per solver iteration (forward and adjoint), so for
+tiny_mixed the TP volume depends on the iteration counts: it is measured, with no formula beside it.
 On CPU/gloo DeepSpeed
 0.19.8 runs ZeRO-2 with a full all-reduce (1.5x the textbook volume), and a small model under ZeRO-3 is
 gathered once per step (its parameters stay live between forward and backward).
@@ -42,7 +44,8 @@ def worker(args) -> None:
     from fpscale.train.trainer import Trainer
     from fpscale.parallel.mappings import TP_TRAFFIC
     overrides = [f"train.steps={args.warmup + args.steps}", "train.log_interval=100000",
-                 "train.eval_interval=100000", f"parallel.zero_stage={args.zero}", f"parallel.tp={args.tp}"]
+                 "train.eval_interval=100000", f"parallel.zero_stage={args.zero}", f"parallel.tp={args.tp}",
+                 "train.resume=none"]
     cfg = fpscale.load_config(args.config, overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import deepspeed.comm as dscomm
@@ -80,6 +83,8 @@ def worker(args) -> None:
         activation = t.micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
         per_micro = (4 * attn_blocks + 2) * activation + 3 * t.micro_batch * cfg.data.seq_len * 4
         print(json.dumps({"world": world, "dp": trainer.state.dp_size, "tp": trainer.state.tp_size,
+                          "attn_only": all(s.type == "attn" for s in cfg.model.layers),
+                          "tp_bytes_per_step": sum(v for k, v in logged.items() if k.startswith("tp_")),
                           "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
                           "param_bytes": 4 * params, "tp_message_bytes": per_micro * trainer.grad_accum,
                           "traffic_bytes_per_step": traffic, "logged_bytes_per_step": logged}), flush=True)
@@ -117,6 +122,7 @@ def main(argv=None):
     from common import print_table, write_json
     rows = []
     layouts = ([(args.config, 1, 0, 1)] + [(args.config, 2, z, 1) for z in (0, 1, 2, 3)]
+               + [(args.config, 2, 1, 2), (args.config, 4, 1, 2)]
                + [(args.tp_config, 1, 0, 1), (args.tp_config, 2, 1, 1), (args.tp_config, 2, 1, 2),
                   (args.tp_config, 4, 1, 2)])
     for config, nproc, zero, tp in layouts:
@@ -124,15 +130,18 @@ def main(argv=None):
         dp, P = r["dp"], r["param_bytes"]
         expected = EXPECTED[zero] * (dp - 1) / dp * P if dp > 1 else 0.0
         if tp > 1:
-            expected += 2 * (tp - 1) / tp * r["tp_message_bytes"]
+            expected = expected + 2 * (tp - 1) / tp * r["tp_message_bytes"] if r["attn_only"] else None
         name = "1 process" if nproc == 1 else " x ".join(
             ([f"TP{tp}"] if tp > 1 else []) + ([f"DP{dp} ZeRO-{zero}"] if dp > 1 else []))
         rows.append({"config": os.path.basename(config), "layout": name, "tokens_per_s": r["tokens_per_s"],
-                     "MiB_per_step": r["traffic_bytes_per_step"] / 2 ** 20, "expected_MiB": expected / 2 ** 20,
+                     "MiB_per_step": r["traffic_bytes_per_step"] / 2 ** 20,
+                     "TP_MiB": r["tp_bytes_per_step"] / 2 ** 20,
+                     "expected_MiB": None if expected is None else expected / 2 ** 20,
                      "measured/expected": (r["traffic_bytes_per_step"] / expected) if expected else None,
                      "logged": r["logged_bytes_per_step"]})
     print("parallel layouts, fp32 on CPU (gloo); ring traffic per rank per step")
-    print_table(rows, ["config", "layout", "tokens_per_s", "MiB_per_step", "expected_MiB", "measured/expected"])
+    print_table(rows, ["config", "layout", "tokens_per_s", "MiB_per_step", "TP_MiB", "expected_MiB",
+                       "measured/expected"])
     write_json("scaling", {"args": vars(args), "rows": rows}, args.out)
 
 

@@ -6,7 +6,13 @@
     torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_mixed.yaml
 
 Several processes train through DeepSpeed (ZeRO stage parallel.zero_stage); one process trains
-with torch's AdamW. The run directory runs/<name>/ gets config.yaml, metrics.jsonl and tb/.
+with torch's AdamW. The run directory runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
+checkpoints/ (every train.save_interval steps and at the end) and final/ (whole weights as
+safetensors). ``train.resume: auto`` (the default) continues from the newest complete checkpoint.
+
+Exit codes: 0 done; 2 a configuration / checkpoint that cannot work (the message names it);
+75 preempted: SIGTERM or SIGUSR1 made every rank save at the next step boundary (resume with
+the same command).
 """
 from __future__ import annotations
 
@@ -31,10 +37,12 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from fpscale.train.checkpoint import CheckpointError
+    from fpscale.train.signals import EXIT_PREEMPTED
     from fpscale.train.trainer import Trainer
     try:
         trainer = Trainer(cfg)
-    except ValueError as exc:          # batch geometry / world size that cannot work
+    except (ValueError, CheckpointError) as exc:     # batch geometry, world size, a checkpoint that cannot load
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if trainer.state.is_main:
@@ -42,7 +50,7 @@ def main(argv=None) -> int:
               f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "
               f"{cfg.parallel.zero_stage if trainer.state.distributed else '-'})", flush=True)
     trainer.train()
-    return 0
+    return EXIT_PREEMPTED if trainer.preempted else 0
 
 
 if __name__ == "__main__":

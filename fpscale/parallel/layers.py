@@ -7,7 +7,7 @@
     shard / unshard          a rank's slice of a whole tensor, and the whole from every slice
     global_grad_norm         the whole model's gradient norm from split and replicated parameters
 Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them once in
-the gradient norm), ``partition_dim`` and ``tp_view`` (how to merge and re-split them).
+the gradient norm), ``partition_dim`` and ``tp_parts`` (how to merge and re-split them).
 """
 from __future__ import annotations
 
@@ -18,40 +18,37 @@ import torch.nn.functional as F
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
 
 
-def shard(whole: torch.Tensor, dim: int, rank: int, world: int, view: tuple[int, ...] | None = None,
-          view_dim: int | None = None) -> torch.Tensor:
-    """This rank's slice of ``whole``: viewed as ``view`` (default: its shape), cut into ``world``
-    equal pieces along ``view_dim`` (default ``dim``), reshaped to the whole shape with ``dim``
-    divided by ``world``. E.g. fused q/k/v [3d, d] viewed as [3, heads, dh, d] and cut on the
-    heads: each rank keeps its heads of q, of k and of v."""
-    view = tuple(whole.shape) if view is None else tuple(view)
-    view_dim = dim if view_dim is None else view_dim
-    if view[view_dim] % world:
-        raise ValueError(f"dimension {view_dim} of size {view[view_dim]} is not divisible by the TP size {world}")
+def _parts_view(shape, dim: int, parts: int) -> list[int]:
+    """``shape`` with dimension ``dim`` seen as ``parts`` equal sub-tensors: [..., parts, size/parts, ...]."""
+    return [*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:]]
+
+
+def shard(whole: torch.Tensor, dim: int, rank: int, world: int, parts: int = 1) -> torch.Tensor:
+    """This rank's slice of ``whole`` along ``dim``. With ``parts`` > 1 the dimension holds that many
+    equal sub-tensors (fused q/k/v: 3) and each is split on its own, so rank r keeps its slice of
+    q, of k and of v, in that order."""
+    if whole.shape[dim] % (parts * world):
+        raise ValueError(f"dimension {dim} of size {whole.shape[dim]} ({parts} part(s)) is not divisible "
+                         f"by the TP size {world}")
     local_shape = list(whole.shape)
     local_shape[dim] //= world
-    return whole.reshape(view).chunk(world, view_dim)[rank].reshape(local_shape).clone()
+    view = whole.reshape(_parts_view(whole.shape, dim, parts))
+    return view.chunk(world, dim + 1)[rank].reshape(local_shape).clone()
 
 
-def unshard(pieces: list[torch.Tensor], dim: int, view: tuple[int, ...] | None = None,
-            view_dim: int | None = None) -> torch.Tensor:
+def unshard(pieces: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
     """The inverse of :func:`shard`: the whole tensor from every rank's slice, in rank order."""
-    world = len(pieces)
     whole_shape = list(pieces[0].shape)
-    whole_shape[dim] *= world
-    view = tuple(whole_shape) if view is None else tuple(view)
-    view_dim = dim if view_dim is None else view_dim
-    local_view = list(view)
-    local_view[view_dim] //= world
-    return torch.cat([p.reshape(local_view) for p in pieces], view_dim).reshape(whole_shape)
+    whole_shape[dim] *= len(pieces)
+    views = [p.reshape(_parts_view(p.shape, dim, parts)) for p in pieces]
+    return torch.cat(views, dim + 1).reshape(whole_shape)
 
 
-def mark_tensor_parallel(t: torch.Tensor, dim: int, view: tuple[int, ...] | None = None,
-                         view_dim: int | None = None) -> torch.Tensor:
+def mark_tensor_parallel(t: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
     """Tag a split tensor: DeepSpeed counts it once in the gradient norm; checkpoints merge it."""
     t.tensor_model_parallel = True
     t.partition_dim = dim
-    t.tp_view = (None if view is None else tuple(view), dim if view_dim is None else view_dim)
+    t.tp_parts = parts
     return t
 
 

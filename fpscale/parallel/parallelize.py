@@ -21,9 +21,9 @@ every solve   stop flags MAX-reduced over the TP group: all shards iterate the s
 embeddings    the table split by vocabulary rows (vocab-parallel lookup); the tied output layer
               produces vocabulary-sharded logits and the loss is the vocab-parallel cross-entropy,
               so full logits are never gathered.
-Split tensors carry ``tensor_model_parallel = True``, ``partition_dim`` and ``tp_view`` (how the
-whole tensor is viewed and along which dim of that view it was cut; ``layers.unshard`` merges),
-for DeepSpeed's gradient norm and for merging / re-splitting checkpoints.
+Split tensors carry ``tensor_model_parallel = True``, ``partition_dim`` and ``tp_parts`` (the number
+of equal sub-tensors along that dim, each split on its own: 3 for fused q/k/v; ``layers.unshard``
+merges), for DeepSpeed's gradient norm and for merging / re-splitting checkpoints.
 """
 from __future__ import annotations
 
@@ -91,22 +91,20 @@ def check_divisibility(cfg, tp: int) -> None:
             raise ValueError(f"{name} = {value} is not divisible by parallel.tp = {tp}")
 
 
-def split(owner: torch.nn.Module, name: str, rank: int, tp: int, dim: int,
-          view: tuple[int, ...] | None = None, view_dim: int | None = None) -> None:
+def split(owner: torch.nn.Module, name: str, rank: int, tp: int, dim: int, parts: int = 1) -> None:
     """Replace parameter (or buffer) ``owner.name`` by this rank's slice (see ``layers.shard``)."""
     whole = getattr(owner, name)
-    local = shard(whole.data, dim, rank, tp, view, view_dim)
+    local = shard(whole.data, dim, rank, tp, parts)
     if isinstance(whole, torch.nn.Parameter):
         local = torch.nn.Parameter(local, requires_grad=whole.requires_grad)
         setattr(owner, name, local)
     else:
         owner.register_buffer(name, local)
-    mark_tensor_parallel(local, dim, view, view_dim)
+    mark_tensor_parallel(local, dim, parts)
 
 
 def _split_heads_mlp_attention(m: Attention, rank: int, tp: int) -> None:
-    d = m.w_o.shape[0]
-    split(m, "w_qkv", rank, tp, 0, view=(3, d // m.head_dim, m.head_dim, d), view_dim=1)
+    split(m, "w_qkv", rank, tp, 0, parts=3)          # [q; k; v], each split by heads
     split(m, "w_o", rank, tp, 1)
 
 
@@ -125,8 +123,7 @@ def _split_fpsa(m: FPSAttention, rank: int, tp: int) -> None:
 
 
 def _split_looped(m: LoopedCore, rank: int, tp: int) -> None:
-    L, _, d = m.w_o.shape
-    split(m, "w_qkv", rank, tp, 1, view=(L, 3, d // m.head_dim, m.head_dim, d), view_dim=2)
+    split(m, "w_qkv", rank, tp, 1, parts=3)
     split(m, "w_o", rank, tp, 2)
     split(m, "w_gate", rank, tp, 1)
     split(m, "w_up", rank, tp, 1)
@@ -134,8 +131,8 @@ def _split_looped(m: LoopedCore, rank: int, tp: int) -> None:
 
 
 def _split_fpmamba(m: FPMambaMixer, rank: int, tp: int) -> None:
-    di, d = m.d_inner, m.w_in.shape[1]
-    split(m, "w_in", rank, tp, 0, view=(2, di, d), view_dim=1)      # [x channels; gate channels]
+    di = m.d_inner
+    split(m, "w_in", rank, tp, 0, parts=2)                     # [x channels; gate channels]
     for name in ("conv_w", "conv_b", "dt_proj", "dt_bias", "A_log", "D", "out_norm_w"):
         split(m, name, rank, tp, 0)
     for name in ("x_proj", "y_proj", "w_out"):
@@ -144,7 +141,7 @@ def _split_fpmamba(m: FPMambaMixer, rank: int, tp: int) -> None:
     if m.mixer in ("householder", "dplr"):
         for name, p in m.mixer_params().items():
             if name.startswith("mix_u_"):                  # [rank * di, di]: rows of each u_i
-                split(m, name, rank, tp, 0, view=(p.shape[0] // di, di, di), view_dim=1)
+                split(m, name, rank, tp, 0, parts=p.shape[0] // di)
             elif name.startswith("mix_a_") and p.dim() == 2:   # [rank, di]: w . x summed over shards
                 split(m, name, rank, tp, 1)
     # Kronecker: its factors mix all channels; the mixer gathers and keeps the parameters whole

@@ -32,6 +32,10 @@ class TrainConfig:
     eval_interval: int = 100
     eval_batches: int = 8
     out_dir: str = "runs"
+    save_interval: int = 0        # steps between checkpoints; 0 = only at the end (always saved)
+    keep_last: int = 3            # checkpoints kept in runs/<name>/checkpoints (0 = all)
+    resume: str = "auto"          # auto (newest complete checkpoint of this run, if any) | none | a folder
+    stop_at: int = 0              # save and end this run at this step (a time slice); 0 = at train.steps
     peak_tflops: float = 0.0      # device peak for MFU; 0 = known GPUs (H100/H200/A100), else no MFU
 
     def validate(self, prefix: str = "train") -> None:
@@ -46,6 +50,11 @@ class TrainConfig:
               f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
               f"of {self.micro_batch} x {max(self.grad_accum, 1)} = {per_rank}")
         check(self.peak_tflops >= 0, f"{prefix}.peak_tflops", f"must be >= 0 (0 = auto), got {self.peak_tflops}")
+        check(self.save_interval >= 0, f"{prefix}.save_interval", f"must be >= 0 (0 = at the end), got "
+              f"{self.save_interval}")
+        check(self.stop_at >= 0, f"{prefix}.stop_at", f"must be >= 0 (0 = train.steps), got {self.stop_at}")
+        check(self.keep_last >= 0, f"{prefix}.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
+        check(bool(self.resume), f"{prefix}.resume", "must be auto, none or a checkpoint folder")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
 
 

@@ -19,13 +19,15 @@ from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.models import build_model
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
-from fpscale.parallel.random import RNGTracker, seed_default_stream
+from fpscale.parallel.random import RNGTracker, load_rng_state, seed_default_stream
+from fpscale.train import checkpoint
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import resolve_grad_accum
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.optim import AdamW
 from fpscale.train.schedule import lr_at
+from fpscale.train.signals import Preemption
 
 
 def build_datasets(cfg: Config):
@@ -63,7 +65,7 @@ def collect_solver_stats(model, into: dict[str, list[dict]]) -> None:
         into.setdefault(name, []).append(stats.to_dict())
 
 
-def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
+def deepspeed_config(cfg: Config, grad_accum: int, load_universal: bool = False) -> dict:
     t = cfg.train
     return {
         "train_batch_size": t.global_batch,
@@ -75,6 +77,7 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
         # fpscale passes torch's AdamW: no fused-Adam JIT build, the same update as one process
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
+        "checkpoint": {"load_universal": load_universal},
     }
 
 
@@ -97,6 +100,10 @@ class Trainer:
                                           self.state.dp_size, seed=cfg.seed)
         optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
         self.skipped_steps = 0
+        self.step = 0
+        self.run_dir = os.path.join(t.out_dir, cfg.name)
+        self.resume_from = checkpoint.resolve(t.resume, self.run_dir, self.state)
+        universal = self._prepare_resume() if self.resume_from else False
         self.engine = None
         if self.state.distributed:
             import deepspeed
@@ -105,16 +112,76 @@ class Trainer:
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             self.engine, optimizer, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer,
-                config={**deepspeed_config(cfg, self.grad_accum), **(deepspeed_overrides or {})},
+                config={**deepspeed_config(cfg, self.grad_accum, universal), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
         self.optimizer = optimizer
-        self.step = 0
-        self.run_dir = os.path.join(t.out_dir, cfg.name)
+        if self.resume_from:
+            self._load(self.resume_from, universal)
+        self.preempted = False
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log)
         if log:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+
+    def config_dict(self) -> dict:
+        return config_to_dict(self.cfg)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _prepare_resume(self) -> bool:
+        """Check the chosen checkpoint fits; True when it must load through a universal checkpoint
+        (another layout), which rank 0 converts before DeepSpeed is initialised."""
+        meta = checkpoint.read_meta(self.resume_from)
+        checkpoint.check_compatible(meta, self)
+        distributed = self.state.distributed
+        if checkpoint.same_layout(meta, self.state, self.cfg.parallel.zero_stage, distributed):
+            return False
+        where = (f"tp {meta['tp']} x dp {meta['dp']}" + (f", ZeRO-{meta['zero_stage']}" if meta["zero_stage"] is not None
+                                                          else ", one process"))
+        if not distributed or meta["kind"] != "deepspeed" or meta["zero_stage"] == 0:
+            raise checkpoint.CheckpointError(
+                f"{self.resume_from} was saved on {where}; it resumes on another layout only from a DeepSpeed "
+                f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
+        if self.state.is_main:
+            print(f"resuming {self.resume_from} (saved on {where}) through a universal checkpoint", flush=True)
+            checkpoint.universal_folder(self.resume_from)
+        checkpoint._barrier(self.state)
+        return True
+
+    def _load(self, folder: str, universal: bool) -> None:
+        meta = checkpoint.read_meta(folder)
+        tag = os.path.basename(folder)
+        if self.engine is not None:
+            load_dir = os.path.join(os.path.dirname(folder), "universal") if universal else os.path.dirname(folder)
+            path, _ = self.engine.load_checkpoint(load_dir, tag=tag)
+            if path is None:
+                raise checkpoint.CheckpointError(f"DeepSpeed found no checkpoint {tag} in {load_dir}")
+        else:
+            self.model.load_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location=self.device,
+                                                  weights_only=True))
+            self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optim.pt"), map_location=self.device,
+                                                      weights_only=True))
+        self.step = meta["step"]
+        self.batches.consumed_samples = meta["consumed_samples"]
+        if universal:        # other ranks, other streams: restart them from (seed, step); buffers merged
+            checkpoint.load_buffers(self.model, checkpoint.whole_buffers(folder, meta), self.state)
+            seed_default_stream(self.cfg.seed + self.step, self.state)
+            self.rng = RNGTracker.for_tp(self.cfg.seed + self.step, self.state)
+            self.skipped_steps = checkpoint.rank_states(folder)[0]["skipped_steps"]
+        else:
+            mine = torch.load(os.path.join(folder, checkpoint.rank_file(self.state.rank)), map_location="cpu",
+                              weights_only=True)
+            load_rng_state(mine["rng"], self.rng, self.device)
+            self.skipped_steps = mine["skipped_steps"]
+        if self.state.is_main:
+            print(f"resumed from {folder} at step {self.step} ({meta['consumed_samples']} samples consumed)",
+                  flush=True)
+
+    def save_checkpoint(self) -> str:
+        path = checkpoint.save(self)
+        if self.state.is_main:
+            print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def autocast(self):
         """bf16 autocast for ``train.precision: bf16`` (parameters and optimizer stay fp32)."""
@@ -224,11 +291,18 @@ class Trainer:
                 "layers": summarize_layers(layer_stats)}
 
     def train(self) -> list[dict]:
+        """Train to ``train.steps`` with checkpoints every ``save_interval`` steps and at the end.
+        A SIGTERM / SIGUSR1 on any rank saves at the next step boundary and returns early with
+        ``self.preempted`` set (launch/pretrain.py then exits with EXIT_PREEMPTED)."""
         t = self.cfg.train
         history: list[dict] = []
         window: dict[str, list[dict]] = {}
         tokens, t_last = 0, time.perf_counter()
-        while self.step < t.steps:
+        preemption = Preemption()
+        end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
+        if self.step >= end and self.state.is_main:
+            print(f"nothing to train: resumed at step {self.step} of train.steps = {t.steps}", flush=True)
+        while self.step < end:
             out = self.train_step()
             tokens += out["tokens"]
             for name, rows in out["layer_stats"].items():
@@ -256,18 +330,28 @@ class Trainer:
                         print(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
                               f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
                               f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}", flush=True)
+            if preemption.agreed(self.state):
+                self.save_checkpoint()
+                self.preempted = True
+                if self.state.is_main:
+                    print(f"preempted (signal {preemption.received or 'on another rank'}): saved step {self.step}",
+                          flush=True)
+                break
+            if t.save_interval and self.step % t.save_interval == 0 and self.step < end:
+                self.save_checkpoint()
+        if not self.preempted:
+            final = self.save_checkpoint()
+            if self.state.is_main:
+                self.export_weights(final, os.path.join(self.run_dir, "final"))
         self.metrics.close()
-        if self.metrics.enabled:
-            self.export_weights(os.path.join(self.run_dir, "final"))
         return history
 
-    def export_weights(self, folder: str) -> None:
-        """Final weights as safetensors plus the resolved config (read by launch/generate.py)."""
+    @staticmethod
+    def export_weights(checkpoint_folder: str, folder: str) -> None:
+        """A checkpoint's whole weights (any layout) as safetensors plus the resolved config."""
         from safetensors.torch import save_file
+        state, config = checkpoint.consolidate(checkpoint_folder)
         os.makedirs(folder, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        if self.model.lm_head is None:
-            state.pop("lm_head", None)
-        save_file(state, os.path.join(folder, "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.yaml"), "w") as fh:
-            yaml.safe_dump(config_to_dict(self.cfg), fh, sort_keys=False)
+            yaml.safe_dump(config, fh, sort_keys=False)

@@ -16,7 +16,7 @@ from fpscale.train.trainer import Trainer  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
-        "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0"]
+        "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0", "train.resume=none"]
 
 
 def main():
@@ -25,7 +25,7 @@ def main():
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
     nan_at = [int(a.split("=")[1]) for a in args if a.startswith("nan_at=")]
     config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
-    overrides = BASE + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config=", "nan_at="))]
+    overrides = BASE + [f"train.out_dir={out}"] + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config=", "nan_at="))]
     if zero:
         overrides.append(f"parallel.zero_stage={zero[0]}")
     rank = int(os.environ.get("RANK", "0"))

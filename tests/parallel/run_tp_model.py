@@ -64,8 +64,7 @@ def check_case(name, overrides, state, tokens, targets):
         if getattr(params[n], "tensor_model_parallel", False):
             pieces = [torch.empty_like(g) for _ in range(state.tp_size)]
             dist.all_gather(pieces, g.contiguous(), group=state.tp_group)
-            view, view_dim = params[n].tp_view
-            g = unshard(pieces, params[n].partition_dim, view, view_dim)
+            g = unshard(pieces, params[n].partition_dim, params[n].tp_parts)
         assert torch.allclose(g, p.grad, **TOL), (name, n, (g - p.grad).abs().max().item())
     buffers = dict(split.named_buffers())
     for n, b in whole.named_buffers():       # power-iteration vectors stay those of the whole matrix

@@ -15,12 +15,12 @@ SOLVERS = {
 
 
 @pytest.mark.parametrize("layer_type", list(SOLVERS))
-def test_tiny_model_learns(layer_type):
+def test_tiny_model_learns(layer_type, tmp_path):
     cfg = fpscale.load_config(None, [
         "data.source=synthetic", "data.seq_len=32", "data.period=3", "model.vocab_size=16", "model.d_model=32",
         "model.max_seq_len=64", "train.steps=100", "train.micro_batch=16", "train.global_batch=16",
         "train.eval_interval=100", "train.log_interval=100", "train.warmup=10", "train.lr=1e-2",
-        "train.min_lr=1e-3", "solver.tol=1e-2", "solver.max_iter=20"])
+        "train.min_lr=1e-3", "solver.tol=1e-2", "solver.max_iter=20", f"train.out_dir={tmp_path}"])
     spec = cfg.model.layers[0]
     spec.type, spec.repeat, spec.solver = layer_type, 1, SOLVERS[layer_type]
     history = Trainer(cfg, log=False).train()

@@ -1,0 +1,358 @@
+"""Sharded checkpoints: save, verify, find, resume on the same or another layout, consolidate.
+
+    runs/<name>/checkpoints/
+        step_00000008/                 one complete checkpoint, published by a rename
+            mp_rank_*_model_states.pt, *_optim_states.pt    DeepSpeed's shards (several processes)
+            model.pt, optim.pt         the same for one process
+            fpscale_rank00000.pt       per rank: step, loader record, RNG streams, buffers
+            meta.json                  step, layout, fingerprints, resolved config, TP split metadata
+            manifest.json              size and sha256 of every file above; written last
+        latest                         the newest published tag, replaced after the rename
+        .partial/step_.../             a save in progress: never read, cleared by the next save
+        universal/step_.../            DeepSpeed's universal checkpoint, made once on a layout change
+
+A checkpoint is complete when its manifest exists and every file matches it. ``resume: auto``
+takes the newest complete one; a damaged one is skipped with a warning naming the file.
+The same layout loads DeepSpeed's own shards (exact continuation: optimizer, RNG, data order);
+another TP / DP size or ZeRO stage loads through DeepSpeed's universal checkpoint, converted
+automatically; the data order continues from the global sample count either way.
+Everything fpscale writes loads with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from fpscale.data.fineweb import sha256_file
+from fpscale.parallel.layers import shard, unshard
+
+CHECKPOINTS = "checkpoints"
+TAG = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"fpscale_rank{rank:05d}.pt"
+
+
+# -- what describes the model independently of the layout --------------------------------------
+def split_info(model) -> dict[str, tuple[int, int]]:
+    """{name: (partition_dim, parts)} of every TP-split parameter and buffer."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return {n: (t.partition_dim, getattr(t, "tp_parts", 1)) for n, t in tensors
+            if getattr(t, "tensor_model_parallel", False)}
+
+
+def whole_shapes(model, tp: int) -> dict[str, list[int]]:
+    """Shapes of the unsplit tensors (parameters and buffers), from one TP rank's model."""
+    split = split_info(model)
+    out = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        shape = list(getattr(t, "ds_shape", t.shape))
+        if n in split:
+            shape[split[n][0]] *= tp
+        out[n] = shape
+    return out
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def universal_info(model, tp: int) -> dict:
+    """DeepSpeed's universal-checkpoint metadata: how to merge and re-split every parameter."""
+    from deepspeed.checkpoint import constants as C
+    split = split_info(model)
+    shapes = whole_shapes(model, tp)
+    replicated, sub_params, widths = [], [], {}
+    for name, _ in model.named_parameters():
+        pattern = f"^{re.escape(name)}$"
+        if name not in split:
+            replicated.append(pattern)
+            continue
+        dim, parts = split[name]
+        shape = list(shapes[name])
+        size = shape[dim] // parts
+        shape[dim] = (size,) * parts
+        sub_params.append({"patterns": [pattern], "shape": tuple(shape), "partition_dim": dim})
+        widths[pattern] = [[size // tp] * tp for _ in range(parts)]
+    return {C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            C.TP_REPLICATED_PARAMETER_PATTERNS: replicated, C.PARAMETER_WITH_SUB_PARAMS: sub_params,
+            C.SUB_PARAM_SHARD_WIDTHS: widths}
+
+
+# -- manifest ------------------------------------------------------------------------------------
+def write_manifest(folder: str) -> None:
+    files = {}
+    for root, _, names in os.walk(folder):
+        for n in sorted(names):
+            path = os.path.join(root, n)
+            rel = os.path.relpath(path, folder)
+            files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    _write_atomic(os.path.join(folder, "manifest.json"), json.dumps({"files": files}, indent=1))
+
+
+def verify(folder: str) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong (naming the file)."""
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.exists(path):
+        return f"{path} is missing (an interrupted save)"
+    try:
+        files = json.load(open(path))["files"]
+    except (ValueError, KeyError) as exc:
+        return f"{path} is unreadable ({exc})"
+    for rel, want in files.items():
+        f = os.path.join(folder, rel)
+        if not os.path.exists(f):
+            return f"{f} is missing"
+        if os.path.getsize(f) != want["bytes"]:
+            return f"{f} has {os.path.getsize(f)} bytes, the manifest says {want['bytes']}"
+        if sha256_file(f) != want["sha256"]:
+            return f"{f} fails its sha256 checksum"
+    return None
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def published(root: str) -> list[str]:
+    """Published checkpoint folders under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = sorted((t for t in os.listdir(root) if TAG.match(t)), reverse=True)
+    return [os.path.join(root, t) for t in tags]
+
+
+def newest_complete(root: str) -> str | None:
+    """The newest checkpoint that passes its manifest; damaged ones are skipped with a warning."""
+    for folder in published(root):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        warnings.warn(f"skipping checkpoint {folder}: {problem}", stacklevel=2)
+    return None
+
+
+# -- save ----------------------------------------------------------------------------------------
+def save(trainer) -> str:
+    """Write a checkpoint of the trainer's current step; every rank calls it. Returns the folder."""
+    state, cfg = trainer.state, trainer.cfg
+    root = os.path.join(trainer.run_dir, CHECKPOINTS)
+    tag = tag_for(trainer.step)
+    partial = os.path.join(root, ".partial")
+    work = os.path.join(partial, tag)
+    if state.is_main:
+        shutil.rmtree(work, ignore_errors=True)          # left by a save that was killed
+        os.makedirs(work)
+    _barrier(state)
+    if trainer.engine is not None:
+        trainer.engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
+            "universal_checkpoint_info": universal_info(trainer.model, state.tp_size)})
+    else:
+        torch.save(trainer.model.state_dict(), os.path.join(work, "model.pt"))
+        torch.save(trainer.optimizer.state_dict(), os.path.join(work, "optim.pt"))
+    torch.save(rank_state(trainer), os.path.join(work, rank_file(state.rank)))
+    _barrier(state)
+    fault_point("save", trainer.step)
+    target = os.path.join(root, tag)
+    if state.is_main:
+        meta = {"step": trainer.step, "kind": "deepspeed" if trainer.engine is not None else "single",
+                "tp": state.tp_size, "dp": state.dp_size, "world": state.world_size,
+                "zero_stage": cfg.parallel.zero_stage if trainer.engine is not None else None,
+                "model_fingerprint": fingerprint(whole_shapes(trainer.model, state.tp_size)),
+                "data_fingerprint": trainer.batches.state().fingerprint,
+                "consumed_samples": trainer.batches.consumed_samples,
+                "split": split_info(trainer.model), "config": trainer.config_dict()}
+        _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
+        write_manifest(work)                                      # last: marks the folder complete
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(work, target)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, "latest"), tag + "\n")
+        rotate(root, cfg.train.keep_last)
+    _barrier(state)
+    return target
+
+
+def rotate(root: str, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    for folder in published(root)[keep_last:]:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(os.path.join(root, "universal", os.path.basename(folder)), ignore_errors=True)
+
+
+def rank_state(trainer) -> dict:
+    from fpscale.parallel.random import rng_state
+    s = trainer.state
+    return {"step": trainer.step, "rank": s.rank, "tp_rank": s.tp_rank, "dp_rank": s.dp_rank,
+            "consumed_samples": trainer.batches.consumed_samples, "skipped_steps": trainer.skipped_steps,
+            "rng": rng_state(trainer.rng, trainer.device),
+            "buffers": {n: b.detach().cpu() for n, b in trainer.model.named_buffers()}}
+
+
+def _barrier(state) -> None:
+    if state.distributed:
+        dist.barrier()
+
+
+def fault_point(where: str, step: int) -> None:
+    """Fault injection for the crash-safety tests: FPSCALE_FAULT=kill_in_save:STEP makes rank 0 die
+    with SIGKILL in the middle of that step's save (shards written, nothing published)."""
+    spec = os.environ.get("FPSCALE_FAULT", "")
+    if spec == f"kill_in_{where}:{step}" and int(os.environ.get("RANK", "0")) == 0:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- resume --------------------------------------------------------------------------------------
+def resolve(resume: str, run_dir: str, state) -> str | None:
+    """The checkpoint folder to resume from (``auto``: the newest complete one; ``none``; or a
+    path), decided on rank 0 and the same on every rank."""
+    choice = None
+    if state.is_main and resume != "none":
+        if resume == "auto":
+            choice = newest_complete(os.path.join(run_dir, CHECKPOINTS))
+        else:
+            problem = verify(resume)
+            if problem:
+                choice = CheckpointError(f"train.resume = {resume}: {problem}")
+            else:
+                choice = resume
+    if state.distributed:
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if isinstance(choice, Exception):
+        raise choice
+    return choice
+
+
+def read_meta(folder: str) -> dict:
+    return json.load(open(os.path.join(folder, "meta.json")))
+
+
+def same_layout(meta: dict, state, zero_stage: int, distributed: bool) -> bool:
+    kind = "deepspeed" if distributed else "single"
+    return (meta["kind"] == kind and meta["tp"] == state.tp_size and meta["dp"] == state.dp_size
+            and (not distributed or meta["zero_stage"] == zero_stage))
+
+
+def check_compatible(meta: dict, trainer) -> None:
+    """Refuse a checkpoint of another model shape or data, naming what differs."""
+    want = fingerprint(whole_shapes(trainer.model, trainer.state.tp_size))
+    if meta["model_fingerprint"] != want:
+        raise CheckpointError(f"the checkpoint's model has other tensor shapes (fingerprint "
+                              f"{meta['model_fingerprint']} vs {want}): its model section is "
+                              f"{json.dumps(meta['config']['model'])[:400]}")
+    data = trainer.batches.state().fingerprint
+    if meta["data_fingerprint"] != data:
+        raise CheckpointError(f"the checkpoint was trained on other data (fingerprint {meta['data_fingerprint']}, "
+                              f"this run's {data}): its data section is {meta['config']['data']}")
+    if meta["config"]["train"]["global_batch"] != trainer.cfg.train.global_batch:
+        raise CheckpointError(f"train.global_batch = {trainer.cfg.train.global_batch} differs from the "
+                              f"checkpoint's {meta['config']['train']['global_batch']}: the sample stream "
+                              "would not continue")
+
+
+def universal_folder(folder: str) -> str:
+    """DeepSpeed's universal checkpoint of ``folder`` (converted once, on rank 0's caller)."""
+    root = os.path.dirname(folder)
+    out = os.path.join(root, "universal", os.path.basename(folder))
+    if os.path.exists(os.path.join(out, ".complete")):
+        return out
+    tmp = out + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", folder,
+           "--output_folder", tmp, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if proc.returncode:
+        raise CheckpointError(f"DeepSpeed could not convert {folder} to a universal checkpoint:\n"
+                              f"{(proc.stdout + proc.stderr)[-3000:]}")
+    open(os.path.join(tmp, ".complete"), "w").close()
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def rank_states(folder: str) -> list[dict]:
+    names = sorted(f for f in os.listdir(folder) if f.startswith("fpscale_rank"))
+    return [torch.load(os.path.join(folder, n), map_location="cpu", weights_only=True) for n in names]
+
+
+def whole_buffers(folder: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The model's buffers (e.g. power-iteration vectors) merged over the checkpoint's TP ranks."""
+    by_tp = {}
+    for rs in rank_states(folder):
+        if rs["dp_rank"] == 0:
+            by_tp[rs["tp_rank"]] = rs["buffers"]
+    pieces = [by_tp[r] for r in range(meta["tp"])]
+    out = {}
+    for name in pieces[0]:
+        if name in meta["split"]:
+            dim, parts = meta["split"][name]
+            out[name] = unshard([p[name] for p in pieces], dim, parts)
+        else:
+            out[name] = pieces[0][name]
+    return out
+
+
+def load_buffers(model, whole: dict[str, torch.Tensor], state) -> None:
+    """Put whole buffers into this rank's model, split for its TP rank where the model splits them."""
+    split = split_info(model)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            value = whole[name]
+            if name in split:
+                dim, parts = split[name]
+                value = shard(value, dim, state.tp_rank, state.tp_size, parts)
+            buf.copy_(value.to(buf.device, buf.dtype))
+
+
+def consolidate(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(whole state dict, resolved config) of a checkpoint of any layout, on one process."""
+    meta = read_meta(folder)
+    if meta["kind"] == "single":
+        sd = torch.load(os.path.join(folder, "model.pt"), map_location="cpu", weights_only=True)
+        return sd, meta["config"]
+    universal = universal_folder(folder)
+    sd = {}
+    zero = os.path.join(universal, "zero")
+    for name in os.listdir(zero):
+        path = os.path.join(zero, name, "fp32.pt")
+        if os.path.exists(path):
+            # written by DeepSpeed's converter (a dict with its SubparamShape objects), hence the full load
+            sd[name] = torch.load(path, map_location="cpu", weights_only=False)["param"]
+    sd.update(whole_buffers(folder, meta))
+    return sd, meta["config"]
