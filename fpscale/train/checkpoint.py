@@ -175,6 +175,7 @@ def save(trainer) -> str:
         shutil.rmtree(work, ignore_errors=True)          # left by a save that was killed
         os.makedirs(work)
     _barrier(state)
+    materialize_adam_state(trainer.optimizer)
     if trainer.engine is not None:
         trainer.engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
             "universal_checkpoint_info": universal_info(trainer.model, state.tp_size)})
@@ -192,7 +193,8 @@ def save(trainer) -> str:
                 "model_fingerprint": fingerprint(whole_shapes(trainer.model, state.tp_size)),
                 "data_fingerprint": trainer.batches.state().fingerprint,
                 "consumed_samples": trainer.batches.consumed_samples,
-                "split": split_info(trainer.model), "config": trainer.config_dict()}
+                "split": split_info(trainer.model), "shapes": whole_shapes(trainer.model, state.tp_size),
+                "config": trainer.config_dict()}
         _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
         write_manifest(work)                                      # last: marks the folder complete
         shutil.rmtree(target, ignore_errors=True)
@@ -202,6 +204,20 @@ def save(trainer) -> str:
         rotate(root, cfg.train.keep_last)
     _barrier(state)
     return target
+
+
+def materialize_adam_state(optimizer) -> None:
+    """Create AdamW's state where no step has created it yet (a step-0 checkpoint), exactly as
+    AdamW's first step would: DeepSpeed's universal converter needs every moment to exist."""
+    from torch.optim.optimizer import _get_scalar_dtype
+    inner = getattr(optimizer, "optimizer", optimizer)      # DeepSpeed's ZeRO wrappers hold the torch one
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def rotate(root: str, keep_last: int) -> None:
@@ -340,6 +356,28 @@ def load_buffers(model, whole: dict[str, torch.Tensor], state) -> None:
             buf.copy_(value.to(buf.device, buf.dtype))
 
 
+def export_safetensors(folder: str, out: str) -> None:
+    """A checkpoint's whole weights (any layout) as ``out/model.safetensors`` plus ``out/config.yaml``."""
+    import yaml
+    from safetensors.torch import save_file
+    state, config = consolidate(folder)
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.yaml"), "w") as fh:
+        yaml.safe_dump(config, fh, sort_keys=False)
+
+
+def load_safetensors(model, folder: str) -> None:
+    """Whole weights from ``folder/model.safetensors`` into a plain (not yet parallelized) model."""
+    from safetensors.torch import load_file
+    path = os.path.join(folder, "model.safetensors") if os.path.isdir(folder) else folder
+    if not os.path.exists(path):
+        raise CheckpointError(f"train.init_weights: {path} does not exist")
+    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not fit this model: missing {missing}, unexpected {unexpected}")
+
+
 def consolidate(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(whole state dict, resolved config) of a checkpoint of any layout, on one process."""
     meta = read_meta(folder)
@@ -347,12 +385,19 @@ def consolidate(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
         sd = torch.load(os.path.join(folder, "model.pt"), map_location="cpu", weights_only=True)
         return sd, meta["config"]
     universal = universal_folder(folder)
+    buffers = whole_buffers(folder, meta)
     sd = {}
     zero = os.path.join(universal, "zero")
-    for name in os.listdir(zero):
+    for name, shape in meta["shapes"].items():
+        if name in buffers:
+            continue
         path = os.path.join(zero, name, "fp32.pt")
-        if os.path.exists(path):
-            # written by DeepSpeed's converter (a dict with its SubparamShape objects), hence the full load
-            sd[name] = torch.load(path, map_location="cpu", weights_only=False)["param"]
-    sd.update(whole_buffers(folder, meta))
+        # written by DeepSpeed's converter (a dict holding its SubparamShape objects; a flat tensor
+        # after ZeRO-3), hence the full load of a file this machine just wrote
+        value = torch.load(path, map_location="cpu", weights_only=False)
+        value = value["param"] if isinstance(value, dict) else value
+        if value.numel() != torch.Size(shape).numel():
+            raise CheckpointError(f"{path}: {value.numel()} values for {name} of shape {shape}")
+        sd[name] = value.reshape(shape)
+    sd.update(buffers)
     return sd, meta["config"]

@@ -36,6 +36,7 @@ class TrainConfig:
     keep_last: int = 3            # checkpoints kept in runs/<name>/checkpoints (0 = all)
     resume: str = "auto"          # auto (newest complete checkpoint of this run, if any) | none | a folder
     stop_at: int = 0              # save and end this run at this step (a time slice); 0 = at train.steps
+    init_weights: str = ""        # start from whole weights: a folder with model.safetensors (launch/convert.py)
     peak_tflops: float = 0.0      # device peak for MFU; 0 = known GPUs (H100/H200/A100), else no MFU
 
     def validate(self, prefix: str = "train") -> None:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import yaml
 
 from fpscale.config import Config, config_to_dict
-from fpscale.data.loader import DistributedBatches, validation_batches
+from fpscale.data.loader import DistributedBatches
+from fpscale.eval.validate import validate
 from fpscale.models import build_model
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -92,6 +93,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)           # the same initial weights on every rank
         self.device = self.state.device
         model = build_model(cfg)
+        if t.init_weights:
+            checkpoint.load_safetensors(model, t.init_weights)
         seed_default_stream(cfg.seed, self.state)
         self.rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, self.rng).to(self.device)
@@ -269,26 +272,12 @@ class Trainer:
         dist.all_reduce(t, group=self.state.dp_group)
         return float(t) / self.state.dp_size
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         t = self.cfg.train
-        self.model.eval()
         forward = self.engine if self.engine is not None else self.model
-        total, count, layer_stats = 0.0, 0, {}
-        for batch in validation_batches(self.val_ds, t.micro_batch, t.eval_batches, self.state.dp_rank,
-                                        self.state.dp_size):
-            inputs, targets = split_batch(batch, self.device)
-            with self.autocast():
-                total += float(forward(inputs, targets=targets)) * batch.shape[0]
-            count += batch.shape[0]
-            collect_solver_stats(self.model, layer_stats)
-        if self.state.distributed:
-            sums = torch.tensor([total, count], dtype=torch.float64)
-            dist.all_reduce(sums, group=self.state.dp_group)
-            total, count = float(sums[0]), float(sums[1])
-        loss = total / count
-        return {"step": self.step, "kind": "val", "val_loss": loss, "val_ppl": perplexity(loss),
-                "layers": summarize_layers(layer_stats)}
+        out = validate(forward, self.model, self.val_ds, t.micro_batch, t.eval_batches, self.state, self.autocast,
+                       progress=self.metrics.enabled)
+        return {"step": self.step, "kind": "val", **out}
 
     def train(self) -> list[dict]:
         """Train to ``train.steps`` with checkpoints every ``save_interval`` steps and at the end.
@@ -348,10 +337,4 @@ class Trainer:
 
     @staticmethod
     def export_weights(checkpoint_folder: str, folder: str) -> None:
-        """A checkpoint's whole weights (any layout) as safetensors plus the resolved config."""
-        from safetensors.torch import save_file
-        state, config = checkpoint.consolidate(checkpoint_folder)
-        os.makedirs(folder, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"))
-        with open(os.path.join(folder, "config.yaml"), "w") as fh:
-            yaml.safe_dump(config, fh, sort_keys=False)
+        checkpoint.export_safetensors(checkpoint_folder, folder)

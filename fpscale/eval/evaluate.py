@@ -1,0 +1,85 @@
+"""Evaluate a checkpoint of any layout on any layout (one CPU process included).
+
+    python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300
+    torchrun --nproc_per_node 2 launch/evaluate.py --checkpoint DIR --tp 2
+
+The checkpoint is consolidated to whole weights (DeepSpeed's universal checkpoint, converted once
+by rank 0), built into a plain model, loaded, then split for this run's layout by ``parallelize``;
+the validation batches are the training run's. Writes ``eval.json`` (loss, perplexity, per-layer
+iteration statistics) and ``iterations.png`` (iterations per fixed-point layer) into ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from fpscale.config import Config
+from fpscale.eval.validate import validate
+from fpscale.models import build_model
+from fpscale.parallel.parallelize import parallelize
+from fpscale.train import checkpoint
+from fpscale.typed import from_dict
+
+
+def load_whole_model(folder: str, state, overrides: dict | None = None):
+    """(model with the checkpoint's whole weights, its Config), ready to be parallelized."""
+    if state.is_main and checkpoint.read_meta(folder)["kind"] == "deepspeed":
+        checkpoint.universal_folder(folder)            # once, before the other ranks read it
+    checkpoint._barrier(state)
+    weights, config = checkpoint.consolidate(folder)
+    for key, value in (overrides or {}).items():
+        config.setdefault(key, {}).update(value)
+    cfg = from_dict(Config, config)
+    model = build_model(cfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise checkpoint.CheckpointError(f"{folder} does not fit the model of its own config: missing {missing}, "
+                                         f"unexpected {unexpected}")
+    return model, cfg
+
+
+def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None) -> dict:
+    from fpscale.train.trainer import build_datasets
+    problem = checkpoint.verify(folder)
+    if problem:
+        raise checkpoint.CheckpointError(f"cannot evaluate {folder}: {problem}")
+    model, cfg = load_whole_model(folder, state)
+    model = parallelize(model, state).to(state.device)
+    _, val = build_datasets(cfg)
+    t = cfg.train
+    result = validate(model, model, val, t.micro_batch, eval_batches or t.eval_batches, state, progress=True)
+    meta = checkpoint.read_meta(folder)
+    report = {"checkpoint": os.path.abspath(folder), "step": meta["step"],
+              "saved_layout": {"tp": meta["tp"], "dp": meta["dp"], "zero_stage": meta["zero_stage"]},
+              "eval_layout": {"tp": state.tp_size, "dp": state.dp_size}, **result}
+    if state.is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "eval.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+        plot_iterations(report, os.path.join(out_dir, "iterations.png"))
+    return report
+
+
+def plot_iterations(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    layers = report["layers"]
+    names = list(layers)
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(names) + 2), 3.5))
+    if names:
+        x = range(len(names))
+        ax.bar(x, [layers[n]["iters_mean"] for n in names], color="#4c72b0", label="mean")
+        ax.scatter(x, [layers[n]["iters_p90"] for n in names], color="#dd8452", zorder=3, label="p90")
+        ax.scatter(x, [layers[n]["iters_max"] for n in names], color="#c44e52", marker="^", zorder=3, label="max")
+        ax.set_xticks(list(x), names, rotation=20, ha="right")
+        ax.legend(frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no fixed-point layers", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("solver iterations")
+    ax.set_title(f"step {report['step']}: val loss {report['val_loss']:.4f}, ppl {report['val_ppl']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

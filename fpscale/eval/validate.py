@@ -1,0 +1,38 @@
+"""Validation loss, perplexity and per-layer solver statistics on the fixed validation batches;
+shared by the trainer and launch/evaluate.py."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from fpscale.data.loader import validation_batches
+from fpscale.train.metrics import perplexity, summarize_layers
+
+
+@torch.no_grad()
+def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
+             autocast=contextlib.nullcontext, progress: bool = False) -> dict:
+    """``forward(inputs, targets=...)`` is the model or its DeepSpeed engine. Every DP rank
+    evaluates whole batches (the same batches on any layout) and the sums are all-reduced."""
+    model.eval()
+    batches = validation_batches(dataset, micro_batch, num_batches, state.dp_rank, state.dp_size)
+    if progress and state.is_main:
+        from tqdm import tqdm
+        batches = tqdm(batches, desc="validation", unit="batch", leave=False, dynamic_ncols=True)
+    total, count, layer_stats = 0.0, 0, {}
+    for batch in batches:
+        batch = batch.to(state.device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with autocast():
+            total += float(forward(inputs, targets=targets)) * batch.shape[0]
+        count += batch.shape[0]
+        for name, stats in model.solver_stats().items():
+            layer_stats.setdefault(name, []).append(stats.to_dict())
+    if state.distributed:
+        sums = torch.tensor([total, count], dtype=torch.float64, device=state.device)
+        dist.all_reduce(sums, group=state.dp_group)
+        total, count = float(sums[0]), float(sums[1])
+    loss = total / count
+    return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}
