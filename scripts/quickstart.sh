@@ -12,4 +12,5 @@ $PY data/build_corpus.py --out cache/corpus/raw
 $PY data/prepare_fineweb.py --files 'cache/corpus/raw/*.parquet' --out cache/corpus --vocab-size 8000 \
     --docs-per-shard 128 --val-fraction 0.05 --workers 2
 NPROC=${NPROC:-2}
-exec .venv/bin/deepspeed --num_gpus "$NPROC" launch/pretrain.py --config configs/tiny_mixed.yaml "$@"
+# a fresh run each time (train.resume=auto would continue the last one)
+exec .venv/bin/deepspeed --num_gpus "$NPROC" launch/pretrain.py --config configs/tiny_mixed.yaml train.resume=none "$@"

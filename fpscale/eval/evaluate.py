@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 
 from fpscale.config import Config
 from fpscale.eval.validate import validate

@@ -174,7 +174,7 @@ def test_damaged_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path, 
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     proc = pretrain("zero1", tmp_path, "damaged")
-    assert f"skipping checkpoint" in proc.stdout and str(shard) in proc.stdout and "sha256" in proc.stdout
+    assert "skipping checkpoint" in proc.stdout and str(shard) in proc.stdout and "sha256" in proc.stdout
     assert "step_00000004" in proc.stdout.split("resumed from")[1].splitlines()[0]
     got, want = records(tmp_path, "damaged"), records(ref.parent, "zero1")
     assert all(got[s]["loss"] == want[s]["loss"] for s in range(5, 9))
