@@ -61,13 +61,40 @@ class ParallelState:
 
 
 def env_from_slurm() -> None:
-    """Fill RANK/WORLD_SIZE/LOCAL_RANK from SLURM when a launcher did not set them."""
+    """Fill RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from SLURM when no launcher
+    set them (``srun python launch/pretrain.py ...``): one task per device."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+    os.environ.setdefault("MASTER_PORT", str(slurm_master_port(os.environ.get("SLURM_JOB_ID", "0"))))
+    if "MASTER_ADDR" not in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+        os.environ["MASTER_ADDR"] = slurm_node_address(nodes)
+
+
+def slurm_master_port(job_id: str) -> int:
+    """A port derived from the job id, so concurrent jobs on a node do not collide."""
+    return 20000 + int(job_id) % 20000
+
+
+def slurm_node_address(nodelist: str) -> str:
+    """The address of the first node of a SLURM node list (its NodeAddr: a node name need not
+    resolve, and gloo / NCCL would wait on it until the time limit)."""
+    import subprocess
+    try:
+        first = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True, timeout=30).stdout.split()[0]
+        info = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True, check=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        raise RuntimeError(f"cannot find the first node's address of SLURM node list {nodelist!r}: {exc}; "
+                           "set MASTER_ADDR") from exc
+    for field in info.split():
+        if field.startswith("NodeAddr="):
+            return field.split("=", 1)[1]
+    return first
 
 
 def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:

@@ -1,0 +1,100 @@
+"""launch/slurm/*.sbatch on a real local SLURM cluster: two nodes on this host, 2 tasks per node.
+
+Skipped (with the reason) only where SLURM cannot be installed. The sbatch scripts run unchanged;
+the command line only sizes the job for this GPU-less 2-core machine (sbatch options override the
+script's #SBATCH lines) and points train.out_dir at a temporary folder.
+"""
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from tests.parallel.launch import ROOT, free_port, run
+from tests.slurm.cluster import LocalSlurm, install_reason
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
+TRAIN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
+         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=16", "train.warmup=2",
+         "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=4", "solver.stop_quantile=0.0",
+         "parallel.tp=2", "parallel.zero_stage=1"]
+SIZE = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=15"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = install_reason()
+    if reason:
+        pytest.skip(reason)
+    with LocalSlurm(str(tmp_path_factory.mktemp("slurm"))) as c:
+        yield c
+
+
+def job_env(tmp_path) -> dict:
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "FPSCALE_PYTHON": sys.executable,
+            "FPSCALE_ROOT": ROOT}
+
+
+def train_records(run_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+
+def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, tmp_path):
+    out = tmp_path / "job.out"
+    job = cluster.sbatch([*SIZE, f"--output={out}", "launch/slurm/pretrain.sbatch", "configs/tiny_mixed.yaml",
+                          *TRAIN, "train.steps=4", f"train.out_dir={tmp_path}", "name=sl"],
+                         env=job_env(tmp_path), cwd=ROOT)
+    info = cluster.wait(job, timeout=400)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "world 4 (dp 2" in log and "master 127.0.0.1:" in log
+    ckpt = tmp_path / "sl" / "checkpoints" / "step_00000004"
+    ranks = sorted(f.name for f in ckpt.iterdir() if f.name.startswith("fpscale_rank"))
+    assert ranks == [f"fpscale_rank{r:05d}.pt" for r in range(4)]           # four distinct RANKs
+    import torch
+    layout = sorted((s["tp_rank"], s["dp_rank"]) for s in
+                    (torch.load(ckpt / r, weights_only=True) for r in ranks))
+    assert layout == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(train_records(tmp_path / "sl")) == [1, 2, 3, 4]
+    assert (tmp_path / "sl" / "final" / "model.safetensors").exists()
+
+    # the evaluation job reads that checkpoint and writes its report
+    eval_out = tmp_path / "eval.out"
+    job = cluster.sbatch(["--ntasks=1", "--gpus-per-task=0", "--cpus-per-task=1", f"--output={eval_out}",
+                          "launch/slurm/evaluate.sbatch", str(ckpt), "--out", str(tmp_path / "report")],
+                         env=job_env(tmp_path), cwd=ROOT)
+    info = cluster.wait(job, timeout=300)
+    assert info["JobState"] == "COMPLETED", eval_out.read_text()[-3000:]
+    report = json.load(open(tmp_path / "report" / "eval.json"))
+    assert report["step"] == 4 and report["saved_layout"]["tp"] == 2 and (tmp_path / "report" / "iterations.png").exists()
+
+
+def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp_path):
+    steps = 16
+    out = tmp_path / "job.out"
+    job = cluster.sbatch([*SIZE, f"--output={out}", "launch/slurm/pretrain.sbatch", "configs/tiny_mixed.yaml",
+                          *TRAIN, f"train.steps={steps}", f"train.out_dir={tmp_path}", "name=pre"],
+                         env=job_env(tmp_path), cwd=ROOT)
+    metrics = tmp_path / "pre" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.time() < deadline and cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
+        time.sleep(0.2)
+    cluster.scancel("--signal=USR1", job)                   # what --signal=USR1@300 sends before the limit
+    info = cluster.wait(job, timeout=600, done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log[-4000:])
+    assert "preempted" in log and "requeueing" in log and "resumed from" in log, log[-4000:]
+    saved_at = int(log.split("preempted (signal")[1].split("saved step ")[1].split()[0])
+    assert 1 <= saved_at < steps
+
+    # the same run without interruption, under torchrun on the same layout
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *TRAIN,
+         f"train.steps={steps}", f"train.out_dir={tmp_path}", "name=straight"], timeout=400)
+    got, want = train_records(tmp_path / "pre"), train_records(tmp_path / "straight")
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["loss"] == want[step]["loss"], step
