@@ -83,6 +83,7 @@ def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp
         assert time.time() < deadline and cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
         time.sleep(0.2)
     cluster.scancel("--signal=USR1", job)                   # what --signal=USR1@300 sends before the limit
+    cluster.start_requeued_now(job, timeout=300)
     info = cluster.wait(job, timeout=600, done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log[-4000:])
