@@ -153,8 +153,8 @@ def parallelize(model, state, tracker: RNGTracker | None = None):
     tp = state.tp_size
     if tp == 1:
         return model
-    tracker = tracker or RNGTracker.for_tp(model.seed, state)
     check_divisibility(model.cfg, tp)
+    tracker = tracker or RNGTracker.for_tp(model.seed, state)
     rank, group = state.tp_rank, state.tp_group
     splitters = ((Attention, _split_heads_mlp_attention), (MLP, _split_mlp), (FPSAttention, _split_fpsa),
                  (LoopedCore, _split_looped), (FPMambaMixer, _split_fpmamba))

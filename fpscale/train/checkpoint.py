@@ -192,7 +192,7 @@ def save(trainer) -> str:
                 "zero_stage": cfg.parallel.zero_stage if trainer.engine is not None else None,
                 "model_fingerprint": fingerprint(whole_shapes(trainer.model, state.tp_size)),
                 "data_fingerprint": trainer.batches.state().fingerprint,
-                "consumed_samples": trainer.batches.consumed_samples,
+                "consumed_samples": trainer.batches.consumed_samples, "skipped_steps": trainer.skipped_steps,
                 "split": split_info(trainer.model), "shapes": whole_shapes(trainer.model, state.tp_size),
                 "config": trainer.config_dict()}
         _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
@@ -232,7 +232,6 @@ def rank_state(trainer) -> dict:
     from fpscale.parallel.random import rng_state
     s = trainer.state
     return {"step": trainer.step, "rank": s.rank, "tp_rank": s.tp_rank, "dp_rank": s.dp_rank,
-            "consumed_samples": trainer.batches.consumed_samples, "skipped_steps": trainer.skipped_steps,
             "rng": rng_state(trainer.rng, trainer.device),
             "buffers": {n: b.detach().cpu() for n, b in trainer.model.named_buffers()}}
 

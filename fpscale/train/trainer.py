@@ -139,9 +139,9 @@ class Trainer:
         distributed = self.state.distributed
         if checkpoint.same_layout(meta, self.state, self.cfg.parallel.zero_stage, distributed):
             return False
-        where = (f"tp {meta['tp']} x dp {meta['dp']}" + (f", ZeRO-{meta['zero_stage']}" if meta["zero_stage"] is not None
-                                                          else ", one process"))
-        if not distributed or meta["kind"] != "deepspeed" or meta["zero_stage"] == 0:
+        zero = meta["zero_stage"]
+        where = f"tp {meta['tp']} x dp {meta['dp']}, " + (f"ZeRO-{zero}" if zero is not None else "one process")
+        if not distributed or meta["kind"] != "deepspeed" or zero == 0:
             raise checkpoint.CheckpointError(
                 f"{self.resume_from} was saved on {where}; it resumes on another layout only from a DeepSpeed "
                 f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
@@ -164,18 +164,16 @@ class Trainer:
                                                   weights_only=True))
             self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optim.pt"), map_location=self.device,
                                                       weights_only=True))
-        self.step = meta["step"]
+        self.step, self.skipped_steps = meta["step"], meta["skipped_steps"]
         self.batches.consumed_samples = meta["consumed_samples"]
         if universal:        # other ranks, other streams: restart them from (seed, step); buffers merged
             checkpoint.load_buffers(self.model, checkpoint.whole_buffers(folder, meta), self.state)
             seed_default_stream(self.cfg.seed + self.step, self.state)
-            self.rng = RNGTracker.for_tp(self.cfg.seed + self.step, self.state)
-            self.skipped_steps = checkpoint.rank_states(folder)[0]["skipped_steps"]
+            self.rng.states = RNGTracker.for_tp(self.cfg.seed + self.step, self.state).states   # shards hold self.rng
         else:
             mine = torch.load(os.path.join(folder, checkpoint.rank_file(self.state.rank)), map_location="cpu",
                               weights_only=True)
             load_rng_state(mine["rng"], self.rng, self.device)
-            self.skipped_steps = mine["skipped_steps"]
         if self.state.is_main:
             print(f"resumed from {folder} at step {self.step} ({meta['consumed_samples']} samples consumed)",
                   flush=True)

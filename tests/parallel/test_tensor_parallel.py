@@ -6,6 +6,7 @@ import pytest
 
 import fpscale
 from fpscale.parallel.parallelize import parallelize
+from fpscale.parallel.state import ParallelState
 from tests.parallel.launch import read_ranks, run, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
@@ -48,7 +49,7 @@ def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
 
 
 def test_bad_tp_sizes_name_the_numbers():
-    state = SimpleNamespace(tp_size=3, tp_rank=0, tp_group=None)
+    state = ParallelState(tp_size=3)
     with pytest.raises(ValueError, match=r"model.n_heads = 4 is not divisible by parallel.tp = 3"):
         parallelize(fpscale.build_model(fpscale.load_config(None, ["model.layers.0.type=attn"])), state)
     state.tp_size = 2
@@ -64,7 +65,7 @@ def test_bad_tp_sizes_name_the_numbers():
 
 def test_decoding_a_tp_shard_is_refused():
     import torch
-    state = SimpleNamespace(tp_size=2, tp_rank=0, tp_group=None)
+    state = ParallelState(tp_size=2)
     model = parallelize(fpscale.build_model(fpscale.load_config(None, ["model.vocab_size=32"])), state)
     with pytest.raises(ValueError, match="split over tensor-parallel ranks"):
         fpscale.generate(model, torch.zeros(1, 3, dtype=torch.long), 2)

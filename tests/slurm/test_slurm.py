@@ -99,3 +99,21 @@ def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp
     assert sorted(got) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert got[step]["loss"] == want[step]["loss"], step
+
+
+def test_srun_python_reads_slurm_variables_itself(cluster, tmp_path):
+    """No launcher, no RANK / MASTER_ADDR: pretrain.py maps SLURM_PROCID / SLURM_LOCALID /
+    SLURM_NTASKS and finds the first node's address with scontrol."""
+    out = tmp_path / "srun.out"
+    cmd = (f"srun {sys.executable} launch/pretrain.py --config configs/tiny_mixed.yaml "
+           + " ".join(TRAIN[:-2]) + f" train.steps=2 train.out_dir={tmp_path} name=srun")
+    env = {k: v for k, v in job_env(tmp_path).items() if k != "FPSCALE_PYTHON"}
+    job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10", f"--output={out}",
+                          f"--chdir={ROOT}", "--wrap", cmd], env=env, cwd=ROOT)
+    info = cluster.wait(job, timeout=300)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "world 2 (dp 2" in log
+    ckpt = tmp_path / "srun" / "checkpoints" / "step_00000002"
+    assert sorted(f.name for f in ckpt.iterdir() if f.name.startswith("fpscale_rank")) == \
+        ["fpscale_rank00000.pt", "fpscale_rank00001.pt"]
