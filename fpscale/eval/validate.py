@@ -3,6 +3,7 @@ shared by the trainer and launch/evaluate.py."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
     evaluates whole batches (the same batches on any layout) and the sums are all-reduced."""
     model.eval()
     batches = validation_batches(dataset, micro_batch, num_batches, state.dp_rank, state.dp_size)
-    if progress and state.is_main:
+    if progress and state.is_main and sys.stderr.isatty():       # a bar for people, not for log files
         from tqdm import tqdm
         batches = tqdm(batches, desc="validation", unit="batch", leave=False, dynamic_ncols=True)
     total, count, layer_stats = 0.0, 0, {}
