@@ -24,9 +24,8 @@ from fpscale.typed import from_dict
 
 def load_whole_model(folder: str, state, overrides: dict | None = None):
     """(model with the checkpoint's whole weights, its Config), ready to be parallelized."""
-    if state.is_main and checkpoint.read_meta(folder)["kind"] == "deepspeed":
-        checkpoint.universal_folder(folder)            # once, before the other ranks read it
-    checkpoint._barrier(state)
+    if checkpoint.read_meta(folder)["kind"] == "deepspeed":
+        checkpoint.prepare_universal(folder, state)    # once, before every rank reads it
     weights, config = checkpoint.consolidate(folder)
     for key, value in (overrides or {}).items():
         config.setdefault(key, {}).update(value)

@@ -32,6 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from fpscale.config import config_to_dict
 from fpscale.data.fineweb import sha256_file
 from fpscale.parallel.layers import shard, unshard
 
@@ -174,7 +175,7 @@ def save(trainer) -> str:
     if state.is_main:
         shutil.rmtree(work, ignore_errors=True)          # left by a save that was killed
         os.makedirs(work)
-    _barrier(state)
+    barrier(state)
     materialize_adam_state(trainer.optimizer)
     if trainer.engine is not None:
         trainer.engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
@@ -183,7 +184,7 @@ def save(trainer) -> str:
         torch.save(trainer.model.state_dict(), os.path.join(work, "model.pt"))
         torch.save(trainer.optimizer.state_dict(), os.path.join(work, "optim.pt"))
     torch.save(rank_state(trainer), os.path.join(work, rank_file(state.rank)))
-    _barrier(state)
+    barrier(state)
     fault_point("save", trainer.step)
     target = os.path.join(root, tag)
     if state.is_main:
@@ -194,7 +195,7 @@ def save(trainer) -> str:
                 "data_fingerprint": trainer.batches.state().fingerprint,
                 "consumed_samples": trainer.batches.consumed_samples, "skipped_steps": trainer.skipped_steps,
                 "split": split_info(trainer.model), "shapes": whole_shapes(trainer.model, state.tp_size),
-                "config": trainer.config_dict()}
+                "config": config_to_dict(trainer.cfg)}
         _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
         write_manifest(work)                                      # last: marks the folder complete
         shutil.rmtree(target, ignore_errors=True)
@@ -202,7 +203,7 @@ def save(trainer) -> str:
         _fsync_dir(root)
         _write_atomic(os.path.join(root, "latest"), tag + "\n")
         rotate(root, cfg.train.keep_last)
-    _barrier(state)
+    barrier(state)
     return target
 
 
@@ -236,7 +237,7 @@ def rank_state(trainer) -> dict:
             "buffers": {n: b.detach().cpu() for n, b in trainer.model.named_buffers()}}
 
 
-def _barrier(state) -> None:
+def barrier(state) -> None:
     if state.distributed:
         dist.barrier()
 
@@ -300,8 +301,15 @@ def check_compatible(meta: dict, trainer) -> None:
                               "would not continue")
 
 
+def prepare_universal(folder: str, state) -> None:
+    """Rank 0 converts ``folder`` to DeepSpeed's universal checkpoint (once); every rank waits for it."""
+    if state.is_main:
+        universal_folder(folder)
+    barrier(state)
+
+
 def universal_folder(folder: str) -> str:
-    """DeepSpeed's universal checkpoint of ``folder`` (converted once, on rank 0's caller)."""
+    """DeepSpeed's universal checkpoint of ``folder``, converted on the first call (on one process)."""
     root = os.path.dirname(folder)
     out = os.path.join(root, "universal", os.path.basename(folder))
     if os.path.exists(os.path.join(out, ".complete")):

@@ -127,9 +127,6 @@ class Trainer:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
 
-    def config_dict(self) -> dict:
-        return config_to_dict(self.cfg)
-
     # -- checkpoints ------------------------------------------------------------------------------
     def _prepare_resume(self) -> bool:
         """Check the chosen checkpoint fits; True when it must load through a universal checkpoint
@@ -147,8 +144,7 @@ class Trainer:
                 f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
         if self.state.is_main:
             print(f"resuming {self.resume_from} (saved on {where}) through a universal checkpoint", flush=True)
-            checkpoint.universal_folder(self.resume_from)
-        checkpoint._barrier(self.state)
+        checkpoint.prepare_universal(self.resume_from, self.state)
         return True
 
     def _load(self, folder: str, universal: bool) -> None:
@@ -329,10 +325,6 @@ class Trainer:
         if not self.preempted:
             final = self.save_checkpoint()
             if self.state.is_main:
-                self.export_weights(final, os.path.join(self.run_dir, "final"))
+                checkpoint.export_safetensors(final, os.path.join(self.run_dir, "final"))
         self.metrics.close()
         return history
-
-    @staticmethod
-    def export_weights(checkpoint_folder: str, folder: str) -> None:
-        checkpoint.export_safetensors(checkpoint_folder, folder)

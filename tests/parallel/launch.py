@@ -37,6 +37,13 @@ def torchrun(nproc: int, script: str, args: list[str], timeout: float = 300) -> 
     return run(cmd, timeout)
 
 
+def one_process_reference(out_dir: str, *args: str) -> dict:
+    """tests/parallel/run_layout.py on one process (the reference a layout is compared with)."""
+    run([sys.executable, "tests/parallel/run_layout.py", out_dir, *args], timeout=300)
+    (ref,) = read_ranks(out_dir)
+    return ref
+
+
 def read_ranks(out_dir: str) -> list[dict]:
     files = sorted(f for f in os.listdir(out_dir) if f.startswith("rank"))
     return [json.load(open(os.path.join(out_dir, f))) for f in files]

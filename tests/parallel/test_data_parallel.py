@@ -1,20 +1,11 @@
 """Data parallelism through DeepSpeed ZeRO 0/1/2/3 against one process (tiny_mixed: every layer type)."""
-import sys
 
 import pytest
 
-from tests.parallel.launch import read_ranks, run, torchrun
+from tests.parallel.launch import one_process_reference, read_ranks, torchrun
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = "tests/parallel/run_layout.py"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    run([sys.executable, SCRIPT, str(out)], timeout=300)
-    (ref,) = read_ranks(str(out))
-    return ref
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
@@ -46,10 +37,7 @@ def test_zero3_with_uneven_convergence_across_ranks_finishes(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference_nan(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref_nan")
-    run([sys.executable, SCRIPT, str(out), "nan_at=2"], timeout=300)
-    (ref,) = read_ranks(str(out))
-    return ref
+    return one_process_reference(str(tmp_path_factory.mktemp("ref_nan")), "nan_at=2")
 
 
 @pytest.mark.parametrize("layout", ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"])

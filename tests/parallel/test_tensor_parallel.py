@@ -1,5 +1,4 @@
 """Tensor parallelism of every layer type against the whole model and against one process."""
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +6,7 @@ import pytest
 import fpscale
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState
-from tests.parallel.launch import read_ranks, run, torchrun
+from tests.parallel.launch import read_ranks, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
 
@@ -18,14 +17,6 @@ def test_every_layer_type_split_over_tp_equals_the_whole_model(tmp_path):
     and adjoint) of attn, fpsa, fpmamba (Householder, DPLR, Kronecker) and looped layers."""
     torchrun(2, "tests/parallel/run_tp_model.py", [str(tmp_path)], timeout=300)
     assert (tmp_path / "ok").exists()
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref_mixed")
-    run([sys.executable, SCRIPT, str(out)], timeout=300)
-    (ref,) = read_ranks(str(out))
-    return ref
 
 
 @pytest.mark.multiprocess

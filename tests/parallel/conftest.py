@@ -1,0 +1,9 @@
+import pytest
+
+from tests.parallel.launch import one_process_reference
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """tiny_mixed (every layer type), 5 steps on one process: what every layout must reproduce."""
+    return one_process_reference(str(tmp_path_factory.mktemp("ref_mixed")))
