@@ -195,14 +195,19 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSu
         raise AssertionError(f"job {job_id} did not finish within {timeout} s (cancelled): {info}\n{self.logs()}")
 
     def start_requeued_now(self, job_id: str, timeout: float) -> dict:
-        """Wait for the job's requeue (Restarts >= 1 and PENDING again), then clear the ~2 min delay SLURM puts before a requeued
-        job may start again (scheduling policy, not part of what the tests check)."""
+        """Wait for the job's requeue (Restarts >= 1 and PENDING again), then shorten the delay SLURM
+        puts before a requeued job may start again (scheduling policy, not what the tests check).
+
+        Not to zero: slurmd revoked the killed instance's job credential, and it refuses a credential
+        created in the same whole second as that revocation ("Job credential revoked"; SLURM's own
+        delay is the credential lifetime). The revocation happened before the job was PENDING, so a
+        start two seconds after we see PENDING gets a credential from a later second."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             info = self.job(job_id)
             if int(info.get("Restarts", "0")) >= 1 and info.get("JobState") == "PENDING":
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env,
-                               capture_output=True, timeout=30)
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], env=self.env,
+                               check=True, capture_output=True, timeout=30)
                 return info
             time.sleep(0.2)       # a requeue passes through a finished state first: wait for PENDING
         raise AssertionError(f"job {job_id} was not requeued within {timeout} s: {self.job(job_id)}")

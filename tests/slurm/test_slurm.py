@@ -86,7 +86,7 @@ def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp
     cluster.start_requeued_now(job, timeout=300)
     info = cluster.wait(job, timeout=600, done=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     log = out.read_text()
-    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log[-4000:])
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log[-4000:], cluster.logs())
     assert "preempted" in log and "requeueing" in log and "resumed from" in log, log[-4000:]
     saved_at = int(log.split("preempted (signal")[1].split("saved step ")[1].split()[0])
     assert 1 <= saved_at < steps
