@@ -54,8 +54,23 @@ class Unsharded:
         return x
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32: where a looped layer keeps its iterate and the elementwise
+    algebra on it (fpscale.solvers.precision); float64 stays float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in the weight's dtype: a float32 iterate meets bf16 weights (DeepSpeed's bf16
+    mode) in a bf16 product. Under autocast the weights are float32 and autocast picks bf16."""
+    return F.linear(x.to(w.dtype), w, b)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """RMSNorm computed in at least float32; the result in the weight's dtype (x's without one),
+    the dtype of the product it feeds."""
+    out = F.rms_norm(wide(x), (x.shape[-1],), None, eps)
+    return out.to(x.dtype) if weight is None else (out * weight).to(weight.dtype)
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,5 +1,6 @@
 """What every looped layer shares: its solver settings, the seam where its shards meet
-(``self.shards``), the randomised cap of the current step, and the statistics of its last solve."""
+(``self.shards``), the randomised cap of the current training step, the evaluation depth, and
+the statistics of its last solve."""
 from __future__ import annotations
 
 from typing import Callable
@@ -11,7 +12,12 @@ from fpscale.solvers import SolverConfig, SolverStats, solve
 
 
 class FixedPointLayer(torch.nn.Module):
-    """Base class: subclasses build ``f`` inside their ``forward`` and call ``self.fixed_point``."""
+    """Base class: subclasses build ``f`` inside their ``forward`` and call ``self.fixed_point``.
+
+    ``f`` receives the iterate in float32 (float64 in float64 models) and keeps the elementwise
+    algebra on it there; its heavy products run in the weights' dtype (fpscale.solvers.precision).
+    ``fixed_point`` returns z* in that float32 state dtype: the layer casts where it leaves.
+    """
 
     def __init__(self, solver: SolverConfig):
         super().__init__()
@@ -19,10 +25,11 @@ class FixedPointLayer(torch.nn.Module):
         self.shards = Unsharded()        # replaced by fpscale.parallel for tensor parallelism
         self.state_sharded = False       # True where the solved state is split over the shards
         self.cap: int | None = None      # randomised per-step cap (training only)
+        self.eval_depth: int | None = None   # overrides solver.eval_max_iter (LoopedLM.eval_depth)
         self.last_stats: SolverStats | None = None
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor) -> torch.Tensor:
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
-                                   state_reduce=reduce, max_iter=self.cap if self.training else None)
+                                   state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth)
         return z

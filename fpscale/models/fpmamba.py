@@ -10,6 +10,11 @@ previous iterate (y^0 = 0), one application of f is
     y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )
 and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
 the converged y of the last token, and iterates only the new token.
+
+Precision (fpscale.solvers.precision): y, x~, Delta, lambda, the scan and its state h stay in
+float32 whatever the model's dtype (as mamba-ssm keeps its scan); the projections run in the
+weights' dtype. x~ = Q(u - y) + y cancels most of y (|y| = 1 after the RMSNorm, |u| ~ 0.1), so
+a bf16 u - y leaves a 5-50% error in x~ and the solve never settles below a residual of 0.1.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import RMSNorm, causal_conv, init_linear
+from fpscale.models.common import RMSNorm, causal_conv, init_linear, linear, wide
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, make_mixer_params
 from fpscale.models.scan import scan
@@ -57,25 +62,26 @@ class FPMambaMixer(FixedPointLayer):
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}
 
     def _rms(self, t: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over all d_inner channels (summed over the shards under TP)."""
-        wide = t.to(torch.promote_types(t.dtype, torch.float32))       # half precision sums in fp32
-        ms = self.shards.total(wide.pow(2).sum(-1, keepdim=True)) / self.d_inner
-        return (wide * torch.rsqrt(ms + self.norm_eps)).to(t.dtype) * self.out_norm_w
+        """RMSNorm over all d_inner channels (summed over the shards under TP), in at least float32."""
+        t = wide(t)
+        ms = self.shards.total(t.pow(2).sum(-1, keepdim=True)) / self.d_inner
+        return t * torch.rsqrt(ms + self.norm_eps) * self.out_norm_w
 
     def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False):
-        """One application of f: y -> y_new (and the final scan state)."""
+        """One application of f: y -> y_new (and the final scan state), y in float32."""
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
-        x_t = apply_mixer(self.mixer, self.mixer_params(), u - y, u, y_c, self.negative_eigs, self.shards) + y
-        proj = F.linear(u, self.x_proj)
+        x_t = apply_mixer(self.mixer, self.mixer_params(), wide(u) - y, u, y_c, self.negative_eigs,
+                          self.shards) + y
+        proj = linear(u, self.x_proj)
         if self.y_proj is not None:
-            proj = proj + F.linear(y_s, self.y_proj)
-        proj = self.shards.total(proj)           # x_proj, y_proj are row-parallel under TP
+            proj = proj + linear(y_s, self.y_proj)
+        proj = wide(self.shards.total(proj))     # x_proj, y_proj are row-parallel under TP
         dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
-        delta = F.softplus(F.linear(dt_low, self.dt_proj) + self.dt_bias)             # [B, T, di]
-        lam = torch.exp(-delta.unsqueeze(-1) * self.A_log.exp())                       # [B, T, di, N]
+        delta = F.softplus(wide(linear(dt_low, self.dt_proj)) + self.dt_bias)          # [B, T, di]
+        lam = torch.exp(-delta.unsqueeze(-1) * wide(self.A_log).exp())                 # [B, T, di, N]
         h = scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
         y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
         return (y_new, h[:, -1]) if return_state else y_new
@@ -92,7 +98,7 @@ class FPMambaMixer(FixedPointLayer):
             with torch.no_grad():
                 _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
             cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
-        return self.shards.exit(F.linear(y, self.w_out))
+        return self.shards.exit(linear(y, self.w_out))
 
 
 class FPMambaBlock(torch.nn.Module):

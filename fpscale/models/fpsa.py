@@ -2,8 +2,19 @@
 
     h = norm(x),  V = h W_V  (static),  Z_0 = h
     Z_{k+1} = concat_heads( softmax(Q_k K_k^T * tau_h / sqrt(d_h) + causal) V ) W_O,
-              Q_k = rope(Z_k W_Q~),  K_k = rope(Z_k W_K~),  W~ = W / sigma_max(W)
+              Q_k = rope(N(h + Z_k) W_Q~),  K_k = rope(N(h + Z_k) W_K~),  W~ = W / sigma_max(W)
     out = x + Z*,  then the MLP sublayer (outside the loop)
+
+N is a parameter-free RMS normalisation per token, applied in every iteration: queries and
+keys read the iterate through the block's residual stream, as the next layer would read x + Z.
+This is fpscale's form of the normalisation step inside the loop of seed 000's Algorithm 2
+(README, "Deviations from the seeds"). Read literally, Eq. (1) derives Q_k from Z_k, which lives
+at W_O's output scale (init std 0.02/sqrt(2L)): the logits are ~1e-3 and at initialisation every
+fixed point is the uniform causal average of V, whatever the input. Algorithm 2's Tanh on Z_{k+1}
+leaves a small iterate small (still degenerate); normalising Z_k alone rescales it but divides
+perturbations by rms(Z), which breaks the contraction where attention is diffuse. N(h + Z_k)
+gives input-dependent attention at initialisation, stays contractive, and its first iteration
+(Z_0 = h, N(2h) = N(h)) is the paper's.
 
 The causal mask is applied in every iteration; converged tokens may be frozen (selective
 update, ``solver.freeze_converged``); the backward is implicit by default. With a cache,
@@ -15,15 +26,17 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.models.attn import AttnBlock
-from fpscale.models.common import (apply_rope, causal_attention, init_linear, merge_heads, rope_span,
-                                   spectral_normalize, split_heads)
+from fpscale.models.common import (apply_rope, causal_attention, init_linear, linear, merge_heads, rms_norm,
+                                   rope_span, spectral_normalize, split_heads)
 from fpscale.models.fixed_point import FixedPointLayer
 
 
 class FPSAttention(FixedPointLayer):
     def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
-                 solver, spectral_norm: bool = True, temperature: bool = True, power_iters: int = 1):
+                 solver, spectral_norm: bool = True, temperature: bool = True, power_iters: int = 1,
+                 norm_eps: float = 1e-6):
         super().__init__(solver)
+        self.norm_eps = norm_eps
         self.head_dim = d_model // n_heads
         self.rope_theta = rope_theta
         self.spectral_norm, self.power_iters = spectral_norm, power_iters
@@ -59,23 +72,26 @@ class FPSAttention(FixedPointLayer):
         if self.log_temp is not None:      # one temperature per (local) head
             scale = self.log_temp.exp() * scale
 
-        def keys(z):
-            return apply_rope(split_heads(F.linear(z, wk), self.head_dim), cos, sin)
+        def read(z):                       # the normalisation step: what Q and K see of the iterate
+            return shards.enter(rms_norm(h + z, None, self.norm_eps))
+
+        def keys(zn):
+            return apply_rope(split_heads(linear(zn, wk), self.head_dim), cos, sin)
 
         def f(z):
-            z = shards.enter(z)
-            q = apply_rope(split_heads(F.linear(z, wq), self.head_dim), cos, sin)
-            k = keys(z)
+            zn = read(z)
+            q = apply_rope(split_heads(linear(zn, wq), self.head_dim), cos, sin)
+            k = keys(zn)
             k_all = k if past_k is None else torch.cat([past_k, k], 2)
             return shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v_all, scale)), self.w_o))
 
         z = self.fixed_point(f, h)
         if cache is not None:
             with torch.no_grad():
-                k_new = keys(z.detach())
+                k_new = keys(read(z.detach()))
             cache["k"] = k_new if past_k is None else torch.cat([past_k, k_new], 2)
             cache["v"] = v_all.detach()
-        return z
+        return z.to(h.dtype)
 
 
 class FPSABlock(AttnBlock):
@@ -83,4 +99,4 @@ class FPSABlock(AttnBlock):
 
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return FPSAttention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, solver,
-                            spectral_norm=spec.spectral_norm, temperature=spec.temperature)
+                            spectral_norm=spec.spectral_norm, temperature=spec.temperature, norm_eps=cfg.norm_eps)

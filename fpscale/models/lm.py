@@ -4,8 +4,11 @@
     logits = model(tokens)                    # [B, T] -> [B, T, vocab]
     loss = model.loss(tokens, targets)
     model.solver_stats()                      # {"layers.1.fpsa": SolverStats, ...} of the last forward
+    with model.eval_depth(64): model.eval()(tokens)   # evaluate with up to 64 solver iterations
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +95,26 @@ class LoopedLM(torch.nn.Module):
         """Draw this step's randomised caps (the same on every rank)."""
         for i, (name, m) in enumerate(self.fixed_point_layers().items()):
             m.cap = draw_cap(self.cfg.iteration_cap, m.solver.max_iter, self.seed, step, i)
+
+    @contextlib.contextmanager
+    def eval_depth(self, depth: int | None):
+        """Within the block, every looped layer caps its evaluation solves at ``depth`` iterations
+        (None: each layer's ``solver.eval_max_iter``). Training solves are unaffected.
+
+            with model.eval_depth(64):
+                loss = model(tokens, targets=targets)       # test-time compute: up to 64 iterations
+        """
+        if depth is not None and depth < 1:
+            raise ValueError(f"evaluation depth must be >= 1, got {depth}")
+        layers = list(self.fixed_point_layers().values())
+        before = [m.eval_depth for m in layers]
+        for m in layers:
+            m.eval_depth = depth
+        try:
+            yield self
+        finally:
+            for m, value in zip(layers, before):
+                m.eval_depth = value
 
     def new_caches(self) -> list[dict]:
         return [{} for _ in self.layers]

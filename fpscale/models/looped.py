@@ -17,7 +17,7 @@ import math
 import torch
 
 from fpscale.models.common import (causal_conv, init_linear, rms_norm, rope_span, self_attention, swiglu,
-                                   swiglu_hidden)
+                                   swiglu_hidden, wide)
 from fpscale.models.fixed_point import FixedPointLayer
 
 
@@ -48,8 +48,9 @@ class LoopedCore(FixedPointLayer):
         self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, 4)) if spec.conv else None
 
     def scalings(self) -> tuple[torch.Tensor, ...]:
-        """(a1, b1, a2, b2) with L = 2 * core_blocks sublayers."""
-        a1, a2 = torch.sigmoid(self.a1_logit), torch.sigmoid(self.a2_logit)
+        """(a1, b1, a2, b2) with L = 2 * core_blocks sublayers, in at least float32 (the residual
+        mixing of the iterate is elementwise algebra: fpscale.solvers.precision)."""
+        a1, a2 = torch.sigmoid(wide(self.a1_logit)), torch.sigmoid(wide(self.a2_logit))
         a1L = a1 ** (2 * self.blocks)
         b2 = 1 - a2 * a1L
         b1 = b2 * (1 - a1) / (1 - a1L)
@@ -66,6 +67,8 @@ class LoopedCore(FixedPointLayer):
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
     def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None):
+        """One pass of the core over the float32 iterate z; the sublayers compute in the weights'
+        dtype (their norms return it), the residual mixing stays in float32."""
         a1, b1, _, _ = self.scalings()
         for l in range(self.blocks):
             out, k, v = self.attention(l, z, cos, sin, caches[l] if caches else None)
@@ -92,4 +95,4 @@ class LoopedCore(FixedPointLayer):
             cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
             if window is not None:
                 cache["conv"] = window.detach()
-        return s
+        return s.to(x.dtype)

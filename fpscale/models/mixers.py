@@ -1,12 +1,23 @@
 """Input-dependent channel mixers Q_t of FP-Mamba (seed 002, section 3 and App. C).
 
 Each mixer acts on v in R^{d_inner} per token and is conditioned on (x_t, y_{t-1}):
-  householder  Q = prod_i (I - a_i u_i u_i^T),   a_i in (0, 1)  [or (0, 2): negative eigenvalues]
+  householder  Q = prod_i (I - a_i u_i u_i^T),   a_i in (0, 1/r)
   dplr         Q = I - sum_i a_i u_i u_i^T,      a_i in (0, 1/r)
   kronecker    Q = I - a K1 (x) K2,              K = M M^T / (bound on lambda_max), a in (0, 1)
   none         Q = I
-u_i = normalize(U_x x + U_y y),  a_i = sigmoid(w_x . x + w_y . y + b_i). Theorem 3.1 wants
-||I - Q|| < 1, which every choice keeps except Householder with negative eigenvalues.
+u_i = normalize(U_x x + U_y y),  a_i = sigmoid(w_x . x + w_y . y + b_i) (scaled to its range).
+Theorem 3.1 wants ||I - Q|| < 1, and each range above proves it:
+  householder  I - Q_k = (I - Q_{k-1}) + Q_{k-1} a_k u_k u_k^T with ||Q_{k-1}|| <= 1, so
+               ||I - Q|| <= sum_i a_i < 1. The seed's a_i in (0, 1) proves it only for r = 1:
+               two reflections 45 degrees apart with a = 0.99 give ||I - Q|| = 1.138.
+  dplr         ||sum_i a_i u_i u_i^T|| <= sum_i a_i < 1.
+  kronecker    ||K1 (x) K2|| = ||K1|| ||K2|| <= 1 and a < 1.
+``negative_eigs`` doubles the coefficients as seed 002 (App. C.3) and its authors' code do:
+a_i in (0, 2) for each Householder factor (eigenvalue 1 - a_i in (-1, 1)), (0, 2/r) for DPLR,
+a in (0, 2) for Kronecker, so Q reaches eigenvalues in (-1, 0) (state tracking needs them) at
+the cost of the contraction guarantee (||I - Q|| < 2 only). The logits are clamped at
+``A_LOGIT_MAX`` so that a saturated sigmoid stays strictly inside its range, and the mixer's
+algebra runs in at least float32 (a bf16 sigmoid rounds to 1.0 from a logit of about 6).
 
 Under tensor parallelism each rank holds a slice of the d_inner channels of v, x and y; the
 ``shards`` seam (fpscale.models.common.Unsharded) completes what needs all channels:
@@ -19,12 +30,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fpscale.models.common import Unsharded, linear, wide
 from fpscale.models.config import kronecker_factors
-from fpscale.models.common import Unsharded
 
 # a_i = sigmoid(-2) ~ 0.12 at initialisation: Q starts near I, so the feedback of the previous
 # iterate into x~ = Q(x - y) + y starts weak (a contraction) and training can strengthen it.
 MIX_BIAS_INIT = -2.0
+# sigmoid(15) = 1 - 3e-7 < 1 in float32: a saturated coefficient stays inside its open range
+A_LOGIT_MAX = 15.0
+
+
+def coefficient_scale(kind: str, rank: int, negative_eigs: bool) -> float:
+    """The upper end of a_i's range (a_i = scale * sigmoid(logit)); see the module docstring."""
+    if kind == "householder":
+        return 2.0 if negative_eigs else 1.0 / rank
+    if kind == "dplr":
+        return (2.0 if negative_eigs else 1.0) / rank
+    return 2.0 if negative_eigs else 1.0
 
 
 def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool, std: float) -> dict[str, torch.nn.Parameter]:
@@ -48,10 +70,15 @@ def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool, std:
 
 
 def _proj(params, name, x, y):
-    out = F.linear(x, params[f"mix_{name}_x"])
+    """W_x x + W_y y in the weights' dtype, returned in at least float32."""
+    out = linear(x, params[f"mix_{name}_x"])
     if y is not None and f"mix_{name}_y" in params:
-        out = out + F.linear(y, params[f"mix_{name}_y"])
-    return out
+        out = out + linear(y, params[f"mix_{name}_y"])
+    return wide(out)
+
+
+def _coefficients(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    return scale * torch.sigmoid(logits.clamp(max=A_LOGIT_MAX))
 
 
 def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
@@ -75,9 +102,11 @@ def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
 
 def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None,
                 negative_eigs: bool = False, shards=Unsharded()) -> torch.Tensor:
-    """Q_t v for v, x, y of shape [B, T, d_inner] (this shard's channels under TP)."""
+    """Q_t v for v, x, y of shape [B, T, d_inner] (this shard's channels under TP), computed in
+    at least float32 (v is a difference of the iterate: fpscale.solvers.precision)."""
     if kind == "none":
         return v
+    v = wide(v)
     if kind in ("householder", "dplr"):
         B, T, di = v.shape
         rank = params["mix_a_b"].shape[0]
@@ -85,15 +114,15 @@ def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: to
         whole_y = None if y is None else shards.enter(shards.gather(y))
         u = _proj(params, "u", whole_x, whole_y).view(B, T, rank, di)
         u = u * torch.rsqrt(shards.total(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
-        a = shards.enter(torch.sigmoid(shards.exit(_proj(params, "a", x, y)) + params["mix_a_b"]))  # [B, T, rank]
+        logits = shards.exit(_proj(params, "a", x, y)) + params["mix_a_b"]
+        a = shards.enter(_coefficients(logits, coefficient_scale(kind, rank, negative_eigs)))   # [B, T, rank]
         if kind == "householder":
-            a = 2 * a if negative_eigs else a
             for i in range(rank):
                 ui = u[:, :, i]
                 v = v - a[..., i:i + 1] * ui * shards.total((ui * v).sum(-1, keepdim=True))
             return v
         dots = shards.total((u * v.unsqueeze(2)).sum(-1, keepdim=True))           # [B, T, rank, 1]
-        return v - ((a / rank).unsqueeze(-1) * dots * u).sum(2)
+        return v - (a.unsqueeze(-1) * dots * u).sum(2)
     if kind == "kronecker":
         v, x = shards.gather(v), shards.gather(x)
         y = None if y is None else shards.gather(y)
@@ -101,7 +130,8 @@ def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: to
         d1, d2 = kronecker_factors(di)
         k1 = _normalized_psd(_proj(params, "k1", x, y).view(B, T, d1, d1))
         k2 = _normalized_psd(_proj(params, "k2", x, y).view(B, T, d2, d2))
-        a = torch.sigmoid(_proj(params, "a", x, y) + params["mix_a_b"])            # [B, T, 1]
+        a = _coefficients(_proj(params, "a", x, y) + params["mix_a_b"],
+                          coefficient_scale(kind, 1, negative_eigs))                # [B, T, 1]
         kv = (k1 @ v.view(B, T, d1, d2) @ k2.transpose(-1, -2)).reshape(B, T, di)
         return shards.scatter(v - a * kv)
     raise ValueError(f"unknown channel mixer {kind!r}")

@@ -15,15 +15,20 @@ class SolverConfig:
     """How a fixed point ``z = f(z)`` is found and differentiated.
 
     Forward (Algorithm 1 of FPRM, seed 004, plus the quantile stop of its App. D):
-      max_iter           hard cap on applications of f
-      tol                a token is converged when its relative residual is below tol
+      max_iter           hard cap on applications of f in training
+      eval_max_iter      the cap in evaluation (model.eval()); 0 = max_iter. The seeds evaluate
+                         with more iterations than they train with (FPRM: 256 vs 128)
+      tol                a sample is converged when the relative residual of each of its tokens
+                         is below tol (raised to what the map's dtype resolves: solvers.precision)
       norm               ``inf`` (default) or ``l2`` relative residual per token
-      stop_quantile      p: in training, stop once fewer than p*B samples are unconverged;
-                         evaluation always uses p = 0 (every sample converged)
-      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z
-      patience, decay    after ``patience`` steps without a new best residual, eta <- decay*eta
-                         (patience 0 disables the decay)
-      eta_min            stop when eta falls below this
+      stop_quantile      p: in training, stop once at most floor(p * B) of the B samples of the
+                         micro-batch are unconverged (75% converged at the seeds' p = 0.25);
+                         evaluation always uses p = 0 (every sample converged). p * B < 1 is the
+                         same rule as p = 0: ``fpscale.Config`` warns about it, naming the key
+      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z, per sample
+      patience, decay    after ``patience`` steps without a new best residual of a sample, that
+                         sample's eta <- decay * eta (patience 0 disables the decay)
+      eta_min            stop when every unconverged sample's eta fell below this
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
@@ -36,9 +41,10 @@ class SolverConfig:
     """
 
     max_iter: int = 30
+    eval_max_iter: int = 0
     tol: float = 1e-2
     norm: Literal["inf", "l2"] = "inf"
-    stop_quantile: float = 0.0
+    stop_quantile: float = 0.25
     damping: float = 1.0
     patience: int = 5
     decay: float = 0.7
@@ -56,6 +62,8 @@ class SolverConfig:
     def validate(self, prefix: str = "") -> None:
         key = (lambda name: f"{prefix}.{name}" if prefix else name)
         check(self.max_iter >= 1, key("max_iter"), f"must be >= 1, got {self.max_iter}")
+        check(self.eval_max_iter >= 0, key("eval_max_iter"),
+              f"must be >= 0 (0 = max_iter), got {self.eval_max_iter}")
         for name in ("tol", "backward_tol", "eps", "anderson_lambda", "eta_min"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, key(name), f"must be a finite number >= 0, got {value}")
@@ -71,3 +79,8 @@ class SolverConfig:
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")
+
+    @property
+    def eval_iterations(self) -> int:
+        """The cap of a solve in evaluation."""
+        return self.eval_max_iter or self.max_iter

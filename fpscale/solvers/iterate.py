@@ -1,16 +1,26 @@
 """The fixed-point iteration shared by the forward solve and the adjoint solve.
 
 One loop, one host synchronisation per iteration (the stop decision):
+  state                 z is kept in float32 (float64 stays float64) whatever dtype f computes in
   residual per token    r_t = ||f(z)_t - z_t|| / (||f(z)_t|| + eps)     (inf or l2 norm)
-  residual per sample   r_b = max_t r_t
-  quantile stop         stop once #(r_b >= tol) < p * B   (p = 0: once every sample converged)
-  damped step           z <- eta f(z) + (1 - eta) z   (or Anderson mixing with weight eta)
-  patience              eta <- decay * eta after `patience` steps without a new best max_b r_b
-  safeguards            cap, eta < eta_min, non-finite residual (the last finite z is kept)
+  residual per sample   r_b = max_t r_t;   sample b is converged when r_b < tol
+  quantile stop         stop once at most floor(p * B) samples are unconverged, i.e. at least
+                        (1 - p) of the B samples this solve sees have converged (p = 0: all)
+  damped step           z_b <- eta_b f(z)_b + (1 - eta_b) z_b   (or Anderson mixing, weight eta_b)
+  patience, per sample  eta_b <- decay * eta_b after `patience` steps without a new best r_b
+                        (FPRM Algorithm 1 applied to each sample, as the FP-RNN authors' solver does)
+  safeguards            cap; every unconverged sample's eta below eta_min; non-finite residual
+                        (the last finite z is kept)
   freezing              a converged token is frozen: its value never changes again
+
+Under tensor parallelism a ``consensus`` callable takes the MAX of a flag vector over the group
+once per iteration: [any non-finite, unconverged_b..., no_progress_b...]. Every decision
+(stopping, each sample's eta) is a function of the agreed flags, so all ranks take the same
+number of iterations with the same damping, even if their residuals differed in the last bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,12 +36,18 @@ Consensus = Callable[[torch.Tensor], torch.Tensor]
 StateReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the solver keeps its iterate, residuals and damping in: float64 stays, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def token_residual(new: torch.Tensor, old: torch.Tensor, norm: str, eps: float,
                    state_reduce: StateReduce | None = None) -> torch.Tensor:
     """Relative change per token: [B, T, ...] -> [B, T] (float32 or float64)."""
-    dtype = torch.float64 if new.dtype == torch.float64 else torch.float32
-    diff = (new - old).to(dtype).flatten(2) if new.dim() > 2 else (new - old).to(dtype).unsqueeze(-1)
-    ref = new.to(dtype).flatten(2) if new.dim() > 2 else new.to(dtype).unsqueeze(-1)
+    dtype = state_dtype(new.dtype)
+    diff = (new.to(dtype) - old.to(dtype))
+    ref = new.to(dtype)
+    diff, ref = (t.flatten(2) if t.dim() > 2 else t.unsqueeze(-1) for t in (diff, ref))
     if norm == "inf":
         parts = torch.stack([diff.abs().amax(-1), ref.abs().amax(-1)])
         if state_reduce is not None:
@@ -48,6 +64,11 @@ def _per_token(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.view(*mask.shape, *([1] * (like.dim() - 2)))
 
 
+def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast a [B] vector against a [B, ...] tensor."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
 class _Anderson:
     """Type-II Anderson mixing per sample over a window of m past (z, f(z)) pairs."""
 
@@ -57,14 +78,16 @@ class _Anderson:
         self.fs: list[torch.Tensor] = []
 
     def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+        """``eta``: [B] damping per sample."""
         self.xs.append(z.flatten(1))
         self.fs.append(fz.flatten(1))
         if len(self.xs) > self.window:
             self.xs.pop(0)
             self.fs.pop(0)
         n = len(self.xs)
+        eta = eta[:, None]
         if n == 1:
-            return eta * fz + (1 - eta) * z
+            return (eta * fz.flatten(1) + (1 - eta) * z.flatten(1)).view_as(z)
         X, F = torch.stack(self.xs, 1), torch.stack(self.fs, 1)          # [B, n, D]
         G = (F - X).double()
         B = X.shape[0]
@@ -84,34 +107,42 @@ class _Anderson:
 
 @dataclass
 class IterateResult:
-    z: torch.Tensor
+    z: torch.Tensor               # the last iterate, in the solver's state dtype
     iterations: int
     stopped_by: str
     token_res: torch.Tensor       # [B, T] residual of the last evaluated step
     token_converged: torch.Tensor  # [B, T] bool
-    eta: torch.Tensor
+    eta: torch.Tensor             # [B] damping per sample when the solve ended
+
+
+def quantile_limit(quantile: float, batch: int) -> int:
+    """How many of ``batch`` samples may stay unconverged when the solve stops: floor(p * B)."""
+    return math.floor(quantile * batch + 1e-9)
 
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
-            *, quantile: float, consensus: Consensus | None = None,
-            state_reduce: StateReduce | None = None, max_iter: int | None = None) -> IterateResult:
+            *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
+            max_iter: int | None = None, tol: float | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
     the stop decision always uses detached values. ``state_reduce`` is given when ``z`` is
     this rank's slice of a state split over a group (norms and Anderson's Gram are completed).
+    ``step`` may compute in any dtype; its result is brought to the state dtype (float32).
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
+    tol = cfg.tol if tol is None else tol
+    dtype = state_dtype(z0.dtype)
     B = z0.shape[0]
     dev = z0.device
-    z = z0
-    eta = torch.tensor(cfg.damping, dtype=torch.float64, device=dev)
-    best = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
-    patience_left = torch.tensor(cfg.patience, device=dev)
+    z = z0.to(dtype)
+    eta = torch.full((B,), cfg.damping, dtype=dtype, device=dev)
+    best = torch.full((B,), float("inf"), dtype=dtype, device=dev)
+    patience_left = torch.full((B,), cfg.patience, dtype=torch.long, device=dev)
     frozen = torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev)
-    token_res = torch.full(z0.shape[:2], float("inf"), device=dev)
+    token_res = torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev)
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
-    limit = quantile * B
+    limit = quantile_limit(quantile, B)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
@@ -119,46 +150,45 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
             got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
             raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+        fz = fz.to(dtype)
         with torch.no_grad():
             res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
-            res = torch.where(frozen, token_res.to(res.dtype), res)
+            res = torch.where(frozen, token_res, res)
             sample_res = res.amax(1)
             finite = torch.isfinite(sample_res)
-            unconverged = (~(sample_res < cfg.tol)).sum()
-            converged_rule = (unconverged == 0) | (unconverged < limit)
-            # Algorithm 1: progress resets the patience, stagnation decays eta.
-            r = torch.where(finite, sample_res, torch.full_like(sample_res, float("inf"))).amax().double()
-            improved = r < best
-            best = torch.where(improved, r, best)
+            # flags this rank saw; under TP their MAX over the group is what every rank acts on
+            flags = torch.cat([(~finite.all()).view(1), ~(sample_res < tol), ~(sample_res < best)]).long()
+            if consensus is not None:
+                flags = consensus(flags)
+            nonfinite_any, unconverged, no_progress = flags[0].bool(), flags[1:B + 1].bool(), flags[B + 1:].bool()
+            # Algorithm 1, per sample: progress resets the patience, stagnation decays eta
+            best = torch.where(no_progress, best, sample_res)
             if cfg.patience > 0:
-                patience_left = torch.where(improved, cfg.patience, patience_left - 1)
+                patience_left = torch.where(no_progress, patience_left - 1, cfg.patience)
                 decay_now = patience_left <= 0
                 next_eta = torch.where(decay_now, eta * cfg.decay, eta)
                 patience_left = torch.where(decay_now, cfg.patience, patience_left)
             else:
                 next_eta = eta
-            eta_small = next_eta < cfg.eta_min
-            flags = torch.stack([converged_rule, eta_small, ~finite.all()]).long()
-            if consensus is not None:
-                agreed = consensus(torch.stack([1 - (flags[0] | flags[1]), flags[2]]))
-                flags = torch.cat([flags, agreed])
-            host = flags.tolist()
-        nonfinite = bool(host[2]) if consensus is None else bool(host[4])
-        if nonfinite:
+            n_unconverged = unconverged.sum()
+            stalled = (unconverged & ~(next_eta < cfg.eta_min)).sum() == 0    # no unconverged sample can move
+            host = torch.stack([n_unconverged, n_unconverged <= limit, stalled, nonfinite_any]).tolist()
+        if host[3]:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
-        step_eta = eta.to(z.dtype)
-        z_next = anderson.step(z, fz, step_eta) if anderson is not None else step_eta * fz + (1 - step_eta) * z
+        step_eta = _per_sample(eta, z)
+        if anderson is not None:
+            z_next = anderson.step(z, fz, eta)
+        else:
+            z_next = step_eta * fz + (1 - step_eta) * z
         if cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
-            frozen = frozen | (res < cfg.tol)
-        token_res = res.float() if res.dtype != torch.float64 else res
+            frozen = frozen | (res < tol)
+        token_res = res.to(dtype)
         eta = next_eta
         z = z_next
-        want_continue = (not (host[0] or host[1])) if consensus is None else bool(host[3])
-        if not want_continue:
-            stopped_by = ("converged" if host[0] and int(unconverged) == 0 else
-                          "quantile" if host[0] else "eta_min" if host[1] else "max_iter")
+        if host[1] or host[2]:
+            stopped_by = ("converged" if host[0] == 0 else "quantile" if host[1] else "eta_min")
             break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
-                         token_converged=token_res < cfg.tol, eta=eta)
+                         token_converged=token_res < tol, eta=eta)

@@ -16,6 +16,7 @@ import torch
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import Consensus, StateReduce, iterate
+from fpscale.solvers.precision import map_dtype, resolvable_tol
 from fpscale.solvers.stats import SolverStats
 
 
@@ -24,14 +25,16 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
           state_reduce: StateReduce | None = None, max_iter: int | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
-    training   selects the stop quantile: ``config.stop_quantile`` when True, 0 otherwise.
-               None means "whether grad mode is on".
-    consensus  reduces the stop decision over a process group (all TP ranks must iterate
-               the same number of times); see :mod:`fpscale.solvers.iterate`.
+    training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
+               when True, p = 0 and ``eval_max_iter`` otherwise. None means "whether grad mode is on".
+    consensus  reduces the stop flags over a process group (all TP ranks must iterate the same
+               number of times with the same damping); see :mod:`fpscale.solvers.iterate`.
     state_reduce  completes per-token norms over a group when z is split over it (the
                channels of a tensor-parallel FP-Mamba layer); None when z is whole on every rank.
-    max_iter   overrides ``config.max_iter`` for this call (randomised caps).
-    Returns (z, stats). With grad mode on, z carries the gradient of ``config.backward``.
+    max_iter   overrides the cap for this call (randomised caps, an evaluation depth).
+    Returns (z, stats); z is in the solver's state dtype (float32 unless z0 is float64) and,
+    with grad mode on, carries the gradient of ``config.backward``. The tolerances are raised to
+    what the dtype f computes in can resolve (:mod:`fpscale.solvers.precision`).
     A non-finite z0 (an upstream NaN) is not an error: the solve stops at its first step with
     ``stopped_by == "nonfinite"``, so the NaN reaches the loss and the trainer skips the step
     on every rank (raising on one rank would leave its peers waiting in a collective).
@@ -45,17 +48,20 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if training is None:
         training = torch.is_grad_enabled()
     quantile = cfg.stop_quantile if training else 0.0
+    cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
+    tol = resolvable_tol(cfg.tol, map_dtype(z0), "tol")
     grad = torch.is_grad_enabled()
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
-        result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile,
-                         consensus=consensus, state_reduce=state_reduce, max_iter=max_iter)
-    stats = SolverStats(iterations=result.iterations, max_iter=max_iter or cfg.max_iter,
-                        stopped_by=result.stopped_by, sample_residual=result.token_res.amax(1),
-                        token_converged=result.token_converged, final_eta=result.eta, tol=cfg.tol)
+        result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
+                         state_reduce=state_reduce, max_iter=cap, tol=tol)
+    stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
+                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
+                        final_eta=result.eta, tol=tol)
     z = result.z
     if not grad or unroll:
         return z, stats
     if cfg.backward == "implicit":
-        return attach_implicit(f, z, cfg, stats, consensus, state_reduce), stats
+        backward_tol = resolvable_tol(cfg.backward_tol, map_dtype(z0), "backward_tol")
+        return attach_implicit(f, z, cfg, stats, consensus, state_reduce, backward_tol), stats
     return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats

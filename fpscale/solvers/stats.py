@@ -19,8 +19,8 @@ class SolverStats:
     stopped_by: str                 # one of STOP_REASONS
     sample_residual: torch.Tensor   # [B] final relative residual per sample (float32)
     token_converged: torch.Tensor   # [B, T] bool: token residual < tol at the end
-    final_eta: torch.Tensor         # [] damping factor when the solve ended
-    tol: float
+    final_eta: torch.Tensor         # [B] damping factor per sample when the solve ended
+    tol: float                      # the tolerance applied (raised to the dtype's floor in bf16)
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
     backward_residual: float | None = None
     extra: dict = field(default_factory=dict)
@@ -43,7 +43,8 @@ class SolverStats:
             "residual_max": float(r.max()) if r.numel() else float("nan"),
             "converged_fraction": float((r < self.tol).float().mean()) if r.numel() else 1.0,
             "token_converged_fraction": float(self.token_converged.float().mean()),
-            "eta": float(self.final_eta),
+            "eta": float(self.final_eta.float().mean()),
+            "eta_lowest": float(self.final_eta.min()),
             "nonfinite": self.nonfinite,
         }
         if self.backward_iterations is not None:

@@ -86,6 +86,7 @@ def test_iterations_grow_with_sequence_length():
 
 
 def test_fpsa_one_iteration_is_ordinary_attention():
+    """Z_0 = h: the first iteration's queries and keys read N(h + h) = N(h), ordinary attention."""
     model = tiny_model("fpsa", solver={"max_iter": 1, "tol": 0.0}, spectral_norm=False,
                        temperature=False).eval()
     attn = model.layers[0].attn
@@ -93,8 +94,9 @@ def test_fpsa_one_iteration_is_ordinary_attention():
     with torch.no_grad():
         got = attn(h)
         cos, sin = rope_tables(8, torch.arange(10), 10000.0, h.dtype)
-        q = apply_rope(split_heads(h @ attn.w_q.T, 8), cos, sin)
-        k = apply_rope(split_heads(h @ attn.w_k.T, 8), cos, sin)
+        hn = F.rms_norm(h, (32,), eps=1e-6)
+        q = apply_rope(split_heads(hn @ attn.w_q.T, 8), cos, sin)
+        k = apply_rope(split_heads(hn @ attn.w_k.T, 8), cos, sin)
         v = split_heads(h @ attn.w_v.T, 8)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
         scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
@@ -173,8 +175,10 @@ def test_fpsa_implicit_gradient_matches_dense_jacobian():
     cos, sin = rope_tables(2, torch.arange(4), 10000.0, torch.float64)
 
     def f_ref(z, wq, wk, wv, wo, hh):     # an independent functional copy of the FPSA map
-        q = apply_rope(split_heads(z @ wq.T, 2), cos, sin)
-        k = apply_rope(split_heads(z @ wk.T, 2), cos, sin)
+        r = hh + z
+        r = r / (r.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()      # N(h + Z)
+        q = apply_rope(split_heads(r @ wq.T, 2), cos, sin)
+        k = apply_rope(split_heads(r @ wk.T, 2), cos, sin)
         return merge_heads(causal_attention(q, k, split_heads(hh @ wv.T, 2))) @ wo.T
 
     W = [p.detach() for p in (attn.w_q, attn.w_k, attn.w_v, attn.w_o)]
