@@ -25,6 +25,7 @@ class FixedPointLayer(torch.nn.Module):
         self.shards = Unsharded()        # replaced by fpscale.parallel for tensor parallelism
         self.state_sharded = False       # True where the solved state is split over the shards
         self.cap: int | None = None      # randomised per-step cap (training only)
+        self.optim_step: int | None = None   # the optimizer step being computed (LoopedLM.set_step)
         self.eval_depth: int | None = None   # overrides solver.eval_max_iter (LoopedLM.eval_depth)
         self.last_stats: SolverStats | None = None
 

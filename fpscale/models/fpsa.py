@@ -48,14 +48,20 @@ class FPSAttention(FixedPointLayer):
             init_linear(w, init_std)
         init_linear(self.w_o, out_std)
         self.log_temp = torch.nn.Parameter(torch.zeros(n_heads)) if temperature else None
+        self._power_step: int | None = None     # the step whose forward last advanced u_q, u_k
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_q", F.normalize(torch.randn(d_model, generator=g), dim=0))
         self.register_buffer("u_k", F.normalize(torch.randn(d_model, generator=g), dim=0))
 
     def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_Q, W_K divided by their largest singular values. The power iteration advances in
+        training forwards, once per optimizer step when the trainer sets the step (so one process
+        with 2 micro-batches and 2 data-parallel ranks with 1 do the same), else every forward."""
         if not self.spectral_norm:
             return self.w_q, self.w_k
-        update = self.training and torch.is_grad_enabled()
+        update = self.training and torch.is_grad_enabled() and (self.optim_step is None or self.optim_step != self._power_step)
+        if update:
+            self._power_step = self.optim_step
         total = self.shards.total
         return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update, total),
                 spectral_normalize(self.w_k, self.u_k, self.power_iters, update, total))

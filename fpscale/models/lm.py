@@ -92,9 +92,12 @@ class LoopedLM(torch.nn.Module):
         return {name: m.last_stats for name, m in self.fixed_point_layers().items() if m.last_stats is not None}
 
     def set_step(self, step: int) -> None:
-        """Draw this step's randomised caps (the same on every rank)."""
+        """Draw this step's randomised caps (the same on every rank) and tell every looped layer
+        which optimizer step its forwards belong to (per-step state such as FPSA's power iteration
+        advances once per step, however many micro-batches the layout splits it into)."""
         for i, (name, m) in enumerate(self.fixed_point_layers().items()):
             m.cap = draw_cap(self.cfg.iteration_cap, m.solver.max_iter, self.seed, step, i)
+            m.optim_step = step
 
     @contextlib.contextmanager
     def eval_depth(self, depth: int | None):
