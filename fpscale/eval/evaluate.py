@@ -6,7 +6,9 @@
 The checkpoint is consolidated to whole weights (DeepSpeed's universal checkpoint, converted once
 by rank 0), built into a plain model, loaded, then split for this run's layout by ``parallelize``;
 the validation batches are the training run's. Writes ``eval.json`` (loss, perplexity, per-layer
-iteration statistics) and ``iterations.png`` (iterations per fixed-point layer) into ``--out``.
+iteration statistics) and ``iterations.png`` (iterations per fixed-point layer) into ``--out``;
+with ``depths``, also one record per evaluation depth (eval.json's ``depths``) and ``depth.png``
+(loss and iterations against depth).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 
 
 from fpscale.config import Config
-from fpscale.eval.validate import validate
+from fpscale.eval.validate import validate, validate_depths
 from fpscale.models import build_model
 from fpscale.parallel.parallelize import parallelize
 from fpscale.train import checkpoint
@@ -38,7 +40,15 @@ def load_whole_model(folder: str, state, overrides: dict | None = None):
     return model, cfg
 
 
-def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None) -> dict:
+def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None,
+                        depths: list[int] | None = None) -> dict:
+    """Validate ``folder`` on this layout and write the report into ``out_dir`` (main rank).
+    The top-level fields are the run at the configured ``solver.eval_max_iter``; ``depths``
+    (e.g. [1, 2, 4, 8]) adds ``report["depths"]``, one record per depth, and ``depth.png``.
+
+        report = evaluate_checkpoint("runs/x/checkpoints/step_00000300", state, "out", depths=[1, 4, 16])
+        [(r["depth"], r["val_loss"]) for r in report["depths"]]
+    """
     from fpscale.train.trainer import build_datasets
     problem = checkpoint.verify(folder)
     if problem:
@@ -47,7 +57,10 @@ def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | No
     model = parallelize(model, state).to(state.device)
     _, val = build_datasets(cfg)
     t = cfg.train
-    result = validate(model, model, val, t.micro_batch, eval_batches or t.eval_batches, state, progress=True)
+    batches = eval_batches or t.eval_batches
+    result = validate(model, model, val, t.micro_batch, batches, state, progress=True)
+    if depths:
+        result["depths"] = validate_depths(model, model, val, t.micro_batch, batches, depths, state, progress=True)
     meta = checkpoint.read_meta(folder)
     report = {"checkpoint": os.path.abspath(folder), "step": meta["step"],
               "saved_layout": {"tp": meta["tp"], "dp": meta["dp"], "zero_stage": meta["zero_stage"]},
@@ -57,6 +70,8 @@ def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | No
         with open(os.path.join(out_dir, "eval.json"), "w") as fh:
             json.dump(report, fh, indent=1)
         plot_iterations(report, os.path.join(out_dir, "iterations.png"))
+        if depths:
+            plot_depths(report, os.path.join(out_dir, "depth.png"))
     return report
 
 
@@ -79,5 +94,35 @@ def plot_iterations(report: dict, path: str) -> None:
     ax.set_ylabel("solver iterations")
     ax.set_title(f"step {report['step']}: val loss {report['val_loss']:.4f}, ppl {report['val_ppl']:.2f}")
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_depths(report: dict, path: str) -> None:
+    """Test-time compute scaling of ``report["depths"]``: validation loss (left axis) and the mean
+    iterations of each looped layer (right axis) against the evaluation depth (log2 axis)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    records = sorted(report["depths"], key=lambda r: r["depth"])
+    depths = [r["depth"] for r in records]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(depths, [r["val_loss"] for r in records], "o-", color="#4c72b0", lw=2, label="validation loss")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("evaluation depth (solver iteration cap)")
+    ax.set_ylabel("validation loss", color="#4c72b0")
+    lines = ax.get_lines()
+    names = list(records[0]["layers"]) if records else []
+    if names:
+        right = ax.twinx()
+        for i, name in enumerate(names):
+            lines += right.plot(depths, [r["layers"][name]["iters_mean"] for r in records], "s--", ms=4, lw=1,
+                                color=plt.cm.Dark2(i % 8), label=f"{name} iterations")
+        right.set_ylabel("mean solver iterations")
+    fig.legend(lines, [line.get_label() for line in lines], frameon=False, fontsize=8, loc="lower center",
+               ncol=min(len(lines), 3))
+    ax.set_title(f"step {report['step']}: test-time compute")
+    fig.tight_layout(rect=(0, 0.06 * ((len(lines) + 2) // 3) + 0.02, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

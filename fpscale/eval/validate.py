@@ -1,4 +1,5 @@
-"""Validation loss, perplexity and per-layer solver statistics on the fixed validation batches;
+"""Validation loss, perplexity and per-layer solver statistics on the fixed validation batches,
+at the configured evaluation cap (``validate``) or once per evaluation depth (``validate_depths``);
 shared by the trainer and launch/evaluate.py."""
 from __future__ import annotations
 
@@ -37,3 +38,33 @@ def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
         total, count = float(sums[0]), float(sums[1])
     loss = total / count
     return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}
+
+
+def validate_depths(forward, model, dataset, micro_batch: int, num_batches: int, depths, state,
+                    autocast=contextlib.nullcontext, progress: bool = False) -> list[dict]:
+    """The validation of :func:`validate` once per evaluation depth, every looped layer capped at
+    that many solver iterations (``model.eval_depth``): test-time compute scaling.
+
+        validate_depths(model, model, val, 8, 8, [1, 2, 4, 8], state)
+        # -> [{"depth": 1, "val_loss": ..., "val_ppl": ..., "layers": {...}}, ...]
+
+    ``model`` is the LoopedLM module (under DeepSpeed ``forward`` is the engine around it). Every
+    DP rank must pass the same depths in the same order: each depth all-reduces its sums."""
+    records = []
+    for depth in depths:
+        with model.eval_depth(int(depth)):
+            out = validate(forward, model, dataset, micro_batch, num_batches, state, autocast, progress)
+        records.append({"depth": int(depth), **out})
+    return records
+
+
+def depth_scalars(records: list[dict]) -> dict[str, float]:
+    """Flat scalars of a depth sweep for metrics.jsonl / TensorBoard: ``{"val_loss_depth_8": ...,
+    "val_ppl_depth_8": ..., "val_iters_mean_depth_8": ...}`` (iterations averaged over the looped layers)."""
+    out = {}
+    for r in records:
+        d, layers = r["depth"], r["layers"].values()
+        out[f"val_loss_depth_{d}"], out[f"val_ppl_depth_{d}"] = r["val_loss"], r["val_ppl"]
+        if layers:
+            out[f"val_iters_mean_depth_{d}"] = sum(st["iters_mean"] for st in layers) / len(layers)
+    return out

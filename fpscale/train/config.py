@@ -1,7 +1,7 @@
 """Training section of the run config."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fpscale.errors import check
@@ -14,6 +14,10 @@ class TrainConfig:
 
     lr schedule: linear warm-up for ``warmup`` steps, then cosine to ``min_lr`` at ``steps``.
     Weight decay skips 1-D parameters (norms, biases, scalars) and embeddings.
+
+    ``eval_depths: [1, 4, 16]`` also validates once per depth, every looped layer capped at that
+    many solver iterations (test-time compute): the val record gains ``depths`` and scalars
+    ``val_loss_depth_4`` ... (TensorBoard ``val/val_loss_depth_4``). Empty (default): no sweep.
     """
 
     steps: int = 300
@@ -31,6 +35,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 100
     eval_batches: int = 8
+    eval_depths: list[int] = field(default_factory=list)   # evaluation depths to sweep at each validation
     out_dir: str = "runs"
     save_interval: int = 0        # steps between checkpoints; 0 = only at the end (always saved)
     keep_last: int = 3            # checkpoints kept in runs/<name>/checkpoints (0 = all)
@@ -43,6 +48,10 @@ class TrainConfig:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_interval", "eval_batches"):
             check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check(all(d >= 1 for d in self.eval_depths), f"{prefix}.eval_depths",
+              f"every depth (a solver iteration cap) must be >= 1, got {self.eval_depths}")
+        check(len(set(self.eval_depths)) == len(self.eval_depths), f"{prefix}.eval_depths",
+              f"lists a depth twice: {self.eval_depths}")
         check(self.warmup >= 0, f"{prefix}.warmup", f"must be >= 0, got {self.warmup}")
         check(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr",
               f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")

@@ -16,7 +16,7 @@ import yaml
 
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
-from fpscale.eval.validate import validate
+from fpscale.eval.validate import depth_scalars, validate, validate_depths
 from fpscale.models import build_model
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -267,10 +267,16 @@ class Trainer:
         return float(t) / self.state.dp_size
 
     def evaluate(self) -> dict:
+        """The validation record: loss, perplexity and per-layer iterations at the configured
+        evaluation cap; with ``train.eval_depths``, also ``depths`` (one record per depth) and
+        flat scalars ``val_loss_depth_{d}``, ``val_ppl_depth_{d}``, ``val_iters_mean_depth_{d}``."""
         t = self.cfg.train
         forward = self.engine if self.engine is not None else self.model
-        out = validate(forward, self.model, self.val_ds, t.micro_batch, t.eval_batches, self.state, self.autocast,
-                       progress=self.metrics.enabled)
+        args = (forward, self.model, self.val_ds, t.micro_batch, t.eval_batches)
+        out = validate(*args, self.state, self.autocast, progress=self.metrics.enabled)
+        if t.eval_depths:          # the same depths in the same order on every rank (from the config)
+            depths = validate_depths(*args, t.eval_depths, self.state, self.autocast, progress=self.metrics.enabled)
+            out.update(depth_scalars(depths), depths=depths)
         return {"step": self.step, "kind": "val", **out}
 
     def train(self) -> list[dict]:
@@ -313,6 +319,11 @@ class Trainer:
                         print(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
                               f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
                               f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}", flush=True)
+                    for r in record.get("depths", []):
+                        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{st['iters_mean']:.1f}"
+                                         for name, st in r["layers"].items())
+                        print(f"  depth {r['depth']:>4}: loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"
+                              f"{'  iters ' + iters if iters else ''}", flush=True)
             if preemption.agreed(self.state):
                 self.save_checkpoint()
                 self.preempted = True
