@@ -3,7 +3,9 @@
     cfg = fpscale.load_config("configs/tiny_mixed.yaml", overrides=["solver.max_iter=12"])
 
 Every section validates itself on load; a mistake raises :class:`fpscale.ConfigError` naming
-the key and the constraint it broke.
+the key and the constraint it broke. What works but not as asked warns, naming the key: a
+``stop_quantile`` that tolerates no sample at this micro-batch, or (in bf16) a solver tolerance
+below what bf16 resolves, which is raised to the floor (the run's config.yaml records it).
 """
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from fpscale.data.config import DataConfig
-from fpscale.errors import check
+import torch
+
+from fpscale.errors import check, warn
 from fpscale.models.config import ModelConfig
 from fpscale.parallel.config import ParallelConfig
 from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.iterate import quantile_limit
+from fpscale.solvers.precision import residual_floor
 from fpscale.train.config import TrainConfig
 from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
 
@@ -35,11 +41,40 @@ class Config:
               f"must be a non-empty run name without '/', got {self.name!r}")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
               f"must not exceed model.max_seq_len: {self.data.seq_len} > {self.model.max_seq_len}")
-        # every layer's solver overrides must form a valid solver config
-        from fpscale.models.lm import layer_solver
+        warnings: dict[str, str] = {}            # one per key, however many layers share it
         for i, spec in enumerate(self.model.layers):
-            if spec.solver:
-                layer_solver(self.solver, spec.solver, f"model.layers.{i}.solver")
+            # every layer's solver overrides must form a valid solver config
+            solver = self.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
+            if spec.type != "attn":
+                warnings.update(self._check_solver(i, spec.solver, solver))
+        for key, message in warnings.items():
+            warn(key, message)
+
+    def _check_solver(self, i: int, overrides: dict, solver: SolverConfig) -> dict[str, str]:
+        """What a looped layer's solver can do in this run's geometry and precision: {key: warning}.
+        A tolerance below bf16's floor is raised where it was set (this layer's overrides or the
+        top-level section)."""
+        def key(name: str) -> str:
+            return f"model.layers.{i}.solver.{name}" if name in overrides else f"solver.{name}"
+
+        out = {}
+        p, mb = solver.stop_quantile, self.train.micro_batch
+        if p > 0 and quantile_limit(p, mb) == 0:
+            out[key("stop_quantile")] = (f"{p} x train.micro_batch {mb} = {p * mb:.3g} < 1: the rule tolerates no "
+                                         f"unconverged sample, the same as 0 (the quantile stop needs p >= 1/{mb} "
+                                         f"= {1 / mb:.3g})")
+        if self.train.precision != "bf16":
+            return out
+        floor = residual_floor(torch.bfloat16)
+        for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
+            if getattr(solver, name) < floor:
+                out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
+                                  f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")
+                if name in overrides:
+                    overrides[name] = floor
+                else:
+                    setattr(self.solver, name, floor)
+        return out
 
 
 def _merge(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:

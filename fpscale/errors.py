@@ -17,3 +17,13 @@ def check(condition: bool, key: str, message: str) -> None:
     """Raise ``ConfigError(key, message)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(key, message)
+
+
+class ConfigWarning(UserWarning):
+    """A configuration value that works, but not as its name suggests (or was adjusted)."""
+
+
+def warn(key: str, message: str) -> None:
+    """Warn about ``key`` the way ``check`` raises: the message names the key."""
+    import warnings
+    warnings.warn(ConfigWarning(f"config key '{key}': {message}"), stacklevel=3)

@@ -1,8 +1,12 @@
 """The typed config: YAML + overrides, and errors that name the key."""
+import warnings
+
 import pytest
+import torch
 
 import fpscale
 from fpscale import ConfigError
+from fpscale.errors import ConfigWarning
 from fpscale.config import config_to_dict
 
 
@@ -43,3 +47,54 @@ def test_errors_name_the_key(tmp_path, text, overrides, needle):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         fpscale.load_config(str(tmp_path / "nope.yaml"))
+
+
+def config_warnings(overrides, path=None):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = fpscale.load_config(path, overrides)
+    return cfg, [str(w.message) for w in seen if issubclass(w.category, ConfigWarning)]
+
+
+LOOPED = ["model.layers.0.type=fpsa"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["solver.stop_quantile=0.1", "train.micro_batch=8"], "solver.stop_quantile"),
+    (["solver.stop_quantile=0.25", "train.micro_batch=2", "train.global_batch=8"], "solver.stop_quantile"),
+    (["model.layers.0.solver={stop_quantile: 0.1}", "train.micro_batch=4"], "model.layers.0.solver.stop_quantile"),
+])
+def test_an_inert_stop_quantile_warns_naming_the_key(overrides, key):
+    """p * micro_batch < 1 tolerates no unconverged sample: the rule is p = 0 in disguise."""
+    _, seen = config_warnings(LOOPED + overrides)
+    assert len(seen) == 1 and seen[0].startswith(f"config key '{key}'") and "the same as 0" in seen[0]
+
+
+@pytest.mark.parametrize("overrides", [["solver.stop_quantile=0.25", "train.micro_batch=4"],
+                                       ["solver.stop_quantile=0.0", "train.micro_batch=1"],
+                                       ["solver.stop_quantile=0.1", "train.micro_batch=2"]])
+def test_a_live_or_zero_stop_quantile_is_quiet(overrides):
+    # the last one: no looped layer (the default model is attn only), so nothing to say
+    _, seen = config_warnings((LOOPED if "micro_batch=2" not in overrides[1] else []) + overrides)
+    assert seen == []
+
+
+def test_bf16_raises_unreachable_tolerances_to_the_floor_naming_the_key():
+    from fpscale.solvers.precision import residual_floor
+    floor = residual_floor(torch.bfloat16)
+    base = LOOPED + ["solver.tol=1e-3", "model.layers.0.solver={backward: implicit, backward_tol: 1e-4}"]
+    cfg, seen = config_warnings(base + ["train.precision=bf16"])
+    assert sorted(m.split("'")[1] for m in seen) == ["model.layers.0.solver.backward_tol", "solver.tol"]
+    assert all(f"raised to {floor:.3g}" in m for m in seen)
+    assert cfg.solver.tol == floor and cfg.model.layers[0].solver["backward_tol"] == floor
+    cfg, seen = config_warnings(base)               # fp32 resolves them: untouched, quiet
+    assert seen == [] and cfg.solver.tol == 1e-3
+
+
+def test_eval_max_iter_defaults_to_the_training_cap():
+    cfg = fpscale.load_config(None, ["solver.max_iter=7"])
+    assert cfg.solver.eval_iterations == 7
+    cfg = fpscale.load_config(None, ["solver.max_iter=7", "solver.eval_max_iter=64"])
+    assert cfg.solver.eval_iterations == 64
+    with pytest.raises(ConfigError, match=r"'solver.eval_max_iter': must be >= 0"):
+        fpscale.load_config(None, ["solver.eval_max_iter=-1"])

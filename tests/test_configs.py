@@ -38,3 +38,21 @@ def test_model_config_errors_name_the_key():
         fpscale.load_config(None, ["data.seq_len=4096"])
     with pytest.raises(fpscale.ConfigError, match=r"train.global_batch': must be micro_batch x grad_accum"):
         fpscale.load_config(None, ["train.micro_batch=3", "train.global_batch=8"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
+    """The seeds' live quantile stop (p = 0.25: 75% of the micro-batch converged), an evaluation
+    cap above the training cap, tolerances that the run's precision resolves: nothing to warn about."""
+    import warnings
+    from fpscale.errors import ConfigWarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = fpscale.load_config(path)
+    assert [str(w.message) for w in seen if issubclass(w.category, ConfigWarning)] == []
+    for i, spec in enumerate(cfg.model.layers):
+        if spec.type == "attn":
+            continue
+        solver = cfg.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
+        assert solver.stop_quantile == 0.25 and int(solver.stop_quantile * cfg.train.micro_batch) >= 1
+        assert solver.eval_iterations >= 2 * solver.max_iter

@@ -172,19 +172,26 @@ def spectral_normalize(w: torch.Tensor, u: torch.Tensor, n_iter: int, update: bo
     As in torch's spectral_norm: the power iteration runs without grad; sigma = u^T W v
     carries the gradient. ``u`` has shape [w.shape[0]]. When the rows of W are split over
     tensor-parallel shards (w, u: this shard's rows), ``total`` sums the shards' partial
-    products, so every shard divides by the sigma of the whole matrix.
+    products, so every shard divides by the sigma of the whole matrix. The power iteration and
+    sigma run in at least float32 with autocast off (bf16 weights, or autocast, would round them).
     """
-    def right(uu):                                   # v = normalize(W^T u)
-        return F.normalize(total(w.detach().t() @ uu), dim=0, eps=1e-12)
+    with torch.autocast(w.device.type, enabled=False):
+        w32 = wide(w)
 
-    if update:
-        with torch.no_grad():
-            for _ in range(n_iter):
-                wv = w @ right(u)
-                u.copy_(wv / total(wv.pow(2).sum()).sqrt().clamp_min(1e-12))
-    v = right(u.detach()).detach()
-    sigma = total(torch.dot(u.detach(), w @ v))
-    return w / sigma
+        def right(uu):                                   # v = normalize(W^T u)
+            return F.normalize(total(w32.detach().t() @ uu), dim=0, eps=1e-12)
+
+        if update:
+            with torch.no_grad():
+                uu = wide(u)
+                for _ in range(n_iter):
+                    wv = w32 @ right(uu)
+                    uu = wv / total(wv.pow(2).sum()).sqrt().clamp_min(1e-12)
+                u.copy_(uu)
+        uu = wide(u.detach())
+        v = right(uu).detach()
+        sigma = total(torch.dot(uu, w32 @ v))
+    return w / sigma.to(w.dtype)
 
 
 def init_linear(w: torch.Tensor, std: float) -> None:

@@ -22,12 +22,6 @@ from fpscale.models.fpmamba import FPMambaBlock
 from fpscale.models.fpsa import FPSABlock
 from fpscale.models.looped import LoopedCore
 from fpscale.solvers import SolverConfig, SolverStats
-from fpscale.typed import from_dict, to_dict
-
-
-def layer_solver(base: SolverConfig, overrides: dict, key: str) -> SolverConfig:
-    """The top-level solver section with one layer's ``solver`` overrides applied."""
-    return from_dict(SolverConfig, {**to_dict(base), **overrides}, key)
 
 
 class LoopedLM(torch.nn.Module):
@@ -40,7 +34,7 @@ class LoopedLM(torch.nn.Module):
         blocks = {"attn": AttnBlock, "fpsa": FPSABlock, "fpmamba": FPMambaBlock, "looped": LoopedCore}
         layers = []
         for i, spec in enumerate(cfg.layers):
-            layer_cfg = None if spec.type == "attn" else layer_solver(solver, spec.solver, f"model.layers.{i}.solver")
+            layer_cfg = None if spec.type == "attn" else solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
             layers += [blocks[spec.type](cfg, spec, layer_cfg) for _ in range(spec.repeat)]
         self.layers = torch.nn.ModuleList(layers)
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]

@@ -80,6 +80,11 @@ class SolverConfig:
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")
 
+    def with_overrides(self, overrides: dict, key: str) -> "SolverConfig":
+        """This config with one layer's ``solver`` overrides applied (validated; errors name ``key``)."""
+        from fpscale.typed import from_dict, to_dict
+        return from_dict(SolverConfig, {**to_dict(self), **overrides}, key)
+
     @property
     def eval_iterations(self) -> int:
         """The cap of a solve in evaluation."""

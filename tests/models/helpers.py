@@ -24,3 +24,38 @@ def tiny_config(layer_type: str, vocab: int = 32, d: int = 32, solver: dict | No
 def tiny_model(layer_type: str, seed: int = 0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
     return fpscale.build_model(tiny_config(layer_type, **kw)).to(dtype)
+
+
+TINY_LOOPED_CONFIGS = ["tiny_fpsa", "tiny_fpmamba", "tiny_looped", "tiny_mixed"]
+
+
+def token_batches(vocab: int, n: int = 2, batch: int = 8, seq: int = 128, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+@torch.no_grad()
+def solver_iterations(forward, model, batches, training: bool, autocast: bool = False) -> dict[str, list]:
+    """{layer: [(iterations, stopped_by) per batch]} of every looped layer; ``forward`` is the model
+    (or its ``hidden``, which skips the output projection) or its DeepSpeed engine, ``model`` the
+    LoopedLM (its solver statistics)."""
+    model.train(training)
+    out: dict[str, list] = {}
+    for tokens in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            forward(tokens[:, :-1])
+        for name, stats in model.solver_stats().items():
+            out.setdefault(name, []).append((stats.iterations, stats.stopped_by))
+    return out
+
+
+def assert_iterates_alike(fp32: dict, other: dict, what: str) -> None:
+    """Mean iterations per layer within 1.25x of fp32's, and no solve that converged in fp32
+    (by tolerance or quantile) runs to its cap in the other precision."""
+    assert fp32.keys() == other.keys()
+    for name in fp32:
+        a = sum(i for i, _ in fp32[name]) / len(fp32[name])
+        b = sum(i for i, _ in other[name]) / len(other[name])
+        assert max(a, b) <= 1.25 * min(a, b), f"{what} {name}: {b:.2f} iterations vs fp32 {a:.2f} ({other[name]})"
+        for (_, why32), (_, why) in zip(fp32[name], other[name]):
+            assert not (why32 in ("converged", "quantile") and why == "max_iter"), f"{what} {name}: {other[name]}"
