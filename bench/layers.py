@@ -1,5 +1,6 @@
-"""Per layer type at equal width: forward+backward time per token, bytes saved for backward,
-median solver iterations (ratios to ``attn``); and the largest micro-batch whose saved
+"""Per layer type at equal width, in fp32 and bf16 side by side (the block cast to bf16, as
+DeepSpeed's bf16 mode does): median solver iterations, forward+backward time per token, bytes
+saved for backward (ratios to ``attn`` in fp32); and the largest micro-batch whose saved
 activations fit a memory budget, implicit vs unrolled backward.
 
     python bench/layers.py                               # d=256 T=256 B=4 on CPU
@@ -7,7 +8,9 @@ activations fit a memory budget, implicit vs unrolled backward.
 
 Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
 they are the same on every device. The micro-batch column extrapolates the bytes measured at
-B and 2B (saved bytes are affine in B) to the budget.
+B and 2B (saved bytes are affine in B) to the budget. In bf16 the solver keeps its iterate in
+fp32 and raises a tolerance below bf16's floor to the floor (fpscale.solvers.precision); on a
+CPU bf16 products are slower than fp32 ones, so only the iteration and byte columns carry over.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from fpscale.models.lm import LoopedLM  # noqa: E402
 from fpscale.profiling import count_saved_bytes  # noqa: E402
 from fpscale.solvers import SolverConfig  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 # each type with the solver settings its tiny config ships with
 SPECS = {
     "attn": dict(type="attn"),
@@ -38,10 +43,10 @@ SPECS = {
 }
 
 
-def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig):
+def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dtype=torch.float32):
     cfg = ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[LayerSpec(**SPECS[kind])])
     torch.manual_seed(0)
-    return LoopedLM(cfg, solver).layers[0]
+    return LoopedLM(cfg, solver).layers[0].to(dtype)
 
 
 def run(block, x):
@@ -65,30 +70,39 @@ def main(argv=None):
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-iter", type=int, default=30)
+    ap.add_argument("--tol", type=float, default=2e-2,
+                    help="tolerance of fpsa and looped (fpmamba keeps its 0.1); default: one bf16 resolves too")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     x = torch.randn(args.B, args.T, args.d)
-    base = SolverConfig(max_iter=args.max_iter, tol=1e-3, stop_quantile=0.0, patience=5, decay=0.7)
+    base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7)
     rows = []
     for kind in SPECS:
-        block = build_block(kind, args.d, args.heads, args.T, base)
-        block.train()
-        run(block, x)                                                     # warm-up
-        results = [run(block, x) for _ in range(args.repeats)]
-        saved = results[0][0]
-        fp = [m for m in block.modules() if hasattr(m, "solver") and hasattr(m, "last_stats")]
-        rows.append({"layer": kind, "backward": fp[0].solver.backward if fp else "-", "median_iters": statistics.median(r[2] for r in results),
-                     "saved_MiB": saved / 2 ** 20,
-                     "us_per_token": 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)})
+        row = {"layer": kind}
+        for name in args.dtypes:
+            block = build_block(kind, args.d, args.heads, args.T, base, DTYPES[name])
+            block.train()
+            xd = x.to(DTYPES[name])
+            run(block, xd)                                                     # warm-up
+            results = [run(block, xd) for _ in range(args.repeats)]
+            fp = [m for m in block.modules() if hasattr(m, "solver") and hasattr(m, "last_stats")]
+            row["backward"] = fp[0].solver.backward if fp else "-"
+            row[f"iters_{name}"] = statistics.median(r[2] for r in results)
+            row[f"saved_MiB_{name}"] = results[0][0] / 2 ** 20
+            row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)
+        rows.append(row)
     ref = rows[0]
+    first = args.dtypes[0]
     for r in rows:
-        r["saved_x_attn"] = r["saved_MiB"] / ref["saved_MiB"]
-        r["time_x_attn"] = r["us_per_token"] / ref["us_per_token"]
-    print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol 1e-3, "
-          f"max_iter {args.max_iter})")
-    print_table(rows, ["layer", "backward", "median_iters", "saved_MiB", "saved_x_attn", "us_per_token", "time_x_attn"])
+        r[f"saved_x_attn_{first}"] = r[f"saved_MiB_{first}"] / ref[f"saved_MiB_{first}"]
+        r[f"time_x_attn_{first}"] = r[f"us_per_token_{first}"] / ref[f"us_per_token_{first}"]
+    print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
+          f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
+    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "saved_MiB", "us_per_token") for n in args.dtypes]
+    print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}"])
 
     # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
     budget = args.budget_gib * 2 ** 30

@@ -67,7 +67,7 @@ class Config:
             return out
         floor = residual_floor(torch.bfloat16)
         for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
-            if getattr(solver, name) < floor:
+            if 0 < getattr(solver, name) < floor:      # 0: no tolerance stop, run to the cap
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")
                 if name in overrides:

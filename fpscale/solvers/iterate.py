@@ -172,8 +172,10 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
                 next_eta = eta
             n_unconverged = unconverged.sum()
             stalled = (unconverged & ~(next_eta < cfg.eta_min)).sum() == 0    # no unconverged sample can move
-            host = torch.stack([n_unconverged, n_unconverged <= limit, stalled, nonfinite_any]).tolist()
-        if host[3]:
+            # the one host synchronisation of the iteration
+            n_left, quantile_met, stalled, nonfinite = torch.stack(
+                [n_unconverged, n_unconverged <= limit, stalled, nonfinite_any]).tolist()
+        if nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
         step_eta = _per_sample(eta, z)
@@ -187,8 +189,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         token_res = res.to(dtype)
         eta = next_eta
         z = z_next
-        if host[1] or host[2]:
-            stopped_by = ("converged" if host[0] == 0 else "quantile" if host[1] else "eta_min")
+        if quantile_met or stalled:
+            stopped_by = "converged" if n_left == 0 else "quantile" if quantile_met else "eta_min"
             break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta)

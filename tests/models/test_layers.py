@@ -11,7 +11,7 @@ from fpscale.models.scan import sequential_scan
 from fpscale.solvers import token_residual
 from tests.models.helpers import TYPES, tiny_model
 
-TIGHT = {"tol": 1e-7, "max_iter": 200, "patience": 0}
+TIGHT = {"tol": 1e-6, "max_iter": 200, "patience": 0}     # fp32 resolves down to ~1.2e-7
 
 
 @pytest.mark.parametrize("layer_type", TYPES + ["mixed"])
