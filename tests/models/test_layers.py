@@ -184,3 +184,42 @@ def test_fpsa_implicit_gradient_matches_dense_jacobian():
         assert float((got - want).norm() / want.norm()) < 1e-6, name
     want_h = (u @ jacrev(lambda hh: f_ref(z, *W, hh))(hd).reshape(N, -1)).reshape(hd.shape)
     assert float((h.grad - want_h).norm() / want_h.norm()) < 1e-6
+
+
+def fpsa_attention_at_fixed_point(model, tokens, literal: bool = False):
+    """Attention probabilities [B, H, T, T] at FPSA's fixed point; ``literal`` reads Q and K from
+    Z itself (seed 000's Eq. 1 as written) instead of N(h + Z)."""
+    attn = model.layers[0].attn
+    seen = capture_solve(attn)
+    with torch.no_grad():
+        h = model.layers[0].norm1(model.embed(tokens))
+        attn(h)
+        z = seen["z"]
+        read = z if literal else F.rms_norm(h + z, (h.shape[-1],), eps=1e-6)
+        wq, wk = attn.qk_weights()
+        T, dh = tokens.shape[1], attn.head_dim
+        cos, sin = rope_tables(dh, torch.arange(T), 10000.0, h.dtype)
+        q = apply_rope(split_heads(read @ wq.T, dh), cos, sin)
+        k = apply_rope(split_heads(read @ wk.T, dh), cos, sin)
+        scores = (q @ k.transpose(-1, -2)) * attn.log_temp.exp().view(1, -1, 1, 1) / math.sqrt(dh)
+        return scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+
+
+def test_fpsa_attention_depends_on_the_input_at_initialisation():
+    """At the shipped initialisation (GPT-2 scaled W_O) the fixed point's attention is far from the
+    uniform causal average and differs between inputs; Q and K read from Z alone (Eq. 1 as written)
+    give uniform attention whatever the input."""
+    model = tiny_model("fpsa", vocab=256, d=128, solver={"tol": 1e-5, "max_iter": 100}).eval()
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, 256, (2, 64), generator=g) for _ in range(2))
+    T = a.shape[1]
+    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1).view(-1, 1)
+
+    def tv(p, q):
+        return float(0.5 * (p - q).abs().sum(-1).mean())
+
+    pa, pb = fpsa_attention_at_fixed_point(model, a), fpsa_attention_at_fixed_point(model, b)
+    assert model.layers[0].attn.last_stats.stopped_by == "converged"
+    assert tv(pa, uniform) > 0.05 and tv(pa, pb) > 0.05
+    la, lb = fpsa_attention_at_fixed_point(model, a, True), fpsa_attention_at_fixed_point(model, b, True)
+    assert tv(la, uniform) < 1e-3 and tv(la, lb) < 1e-3
