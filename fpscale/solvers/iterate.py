@@ -178,10 +178,10 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         if nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
-        step_eta = _per_sample(eta, z)
         if anderson is not None:
             z_next = anderson.step(z, fz, eta)
         else:
+            step_eta = _per_sample(eta, z)
             z_next = step_eta * fz + (1 - step_eta) * z
         if cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
