@@ -21,7 +21,7 @@ from fpscale.models.config import ModelConfig
 from fpscale.parallel.config import ParallelConfig
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import quantile_limit
-from fpscale.solvers.precision import residual_floor
+from fpscale.solvers.precision import residual_floor, unreachable
 from fpscale.train.config import TrainConfig
 from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
 
@@ -67,7 +67,7 @@ class Config:
             return out
         floor = residual_floor(torch.bfloat16)
         for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
-            if 0 < getattr(solver, name) < floor:      # 0: no tolerance stop, run to the cap
+            if unreachable(getattr(solver, name), torch.bfloat16):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")
                 if name in overrides:

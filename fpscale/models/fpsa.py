@@ -59,7 +59,8 @@ class FPSAttention(FixedPointLayer):
         with 2 micro-batches and 2 data-parallel ranks with 1 do the same), else every forward."""
         if not self.spectral_norm:
             return self.w_q, self.w_k
-        update = self.training and torch.is_grad_enabled() and (self.optim_step is None or self.optim_step != self._power_step)
+        new_step = self.optim_step is None or self.optim_step != self._power_step
+        update = self.training and torch.is_grad_enabled() and new_step
         if update:
             self._power_step = self.optim_step
         total = self.shards.total

@@ -122,7 +122,7 @@ def quantile_limit(quantile: float, batch: int) -> int:
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
-            max_iter: int | None = None, tol: float | None = None) -> IterateResult:
+            max_iter: int | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
@@ -131,7 +131,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     ``step`` may compute in any dtype; its result is brought to the state dtype (float32).
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
-    tol = cfg.tol if tol is None else tol
+    tol = cfg.tol
     dtype = state_dtype(z0.dtype)
     B = z0.shape[0]
     dev = z0.device

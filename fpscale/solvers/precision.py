@@ -45,12 +45,18 @@ def residual_floor(dtype: torch.dtype) -> float:
 _warned: set = set()
 
 
+def unreachable(tol: float, dtype: torch.dtype) -> bool:
+    """Whether ``tol`` lies below what a map computing in ``dtype`` resolves. A tolerance of 0
+    asks for no tolerance stop at all (run to the cap): never unreachable."""
+    return 0 < tol < residual_floor(dtype)
+
+
 def resolvable_tol(tol: float, dtype: torch.dtype, what: str = "tol") -> float:
-    """``tol`` raised to the floor of ``dtype``, warning once per (what, tol, dtype). A tolerance
-    of 0 asks for no tolerance stop at all (run to the cap) and is kept."""
-    floor = residual_floor(dtype)
-    if tol >= floor or tol == 0:
+    """``tol`` raised to the floor of ``dtype`` where it is unreachable, warning once per
+    (what, tol, dtype)."""
+    if not unreachable(tol, dtype):
         return tol
+    floor = residual_floor(dtype)
     if (what, tol, dtype) not in _warned:
         _warned.add((what, tol, dtype))
         warnings.warn(f"solver {what} = {tol:g} is below what a map computed in {str(dtype).replace('torch.', '')} "

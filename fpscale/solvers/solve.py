@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -48,20 +49,22 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if training is None:
         training = torch.is_grad_enabled()
     quantile = cfg.stop_quantile if training else 0.0
-    cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
-    tol = resolvable_tol(cfg.tol, map_dtype(z0), "tol")
     grad = torch.is_grad_enabled()
+    cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
+    # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
+    dtype, implicit = map_dtype(z0), grad and cfg.backward == "implicit"
+    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol"), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol") if implicit else cfg.backward_tol))
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                         state_reduce=state_reduce, max_iter=cap, tol=tol)
+                         state_reduce=state_reduce, max_iter=cap)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                        final_eta=result.eta, tol=tol)
+                        final_eta=result.eta, tol=cfg.tol)
     z = result.z
     if not grad or unroll:
         return z, stats
-    if cfg.backward == "implicit":
-        backward_tol = resolvable_tol(cfg.backward_tol, map_dtype(z0), "backward_tol")
-        return attach_implicit(f, z, cfg, stats, consensus, state_reduce, backward_tol), stats
+    if implicit:
+        return attach_implicit(f, z, cfg, stats, consensus, state_reduce), stats
     return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats
