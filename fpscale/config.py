@@ -41,16 +41,30 @@ class Config:
               f"must be a non-empty run name without '/', got {self.name!r}")
         check(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
               f"must not exceed model.max_seq_len: {self.data.seq_len} > {self.model.max_seq_len}")
+        tokens, seq = self.train.global_batch_tokens, self.data.seq_len
+        if tokens:        # the recipe's token count fixes the global batch (config.yaml records both)
+            check(tokens % seq == 0, "train.global_batch_tokens",
+                  f"must be a whole number of sequences of data.seq_len {seq}: {tokens} / {seq} = {tokens / seq:g}")
+            self.train.global_batch = tokens // seq
+        self._check_solvers(self.train.micro_batch)
+
+    def check_micro_batch(self, micro_batch: int) -> None:
+        """Warn where a layout's micro-batch (``resolve_batch``, smaller than ``train.micro_batch``)
+        leaves a looped layer's quantile stop inert."""
+        if micro_batch != self.train.micro_batch:
+            self._check_solvers(micro_batch)
+
+    def _check_solvers(self, micro_batch: int) -> None:
         warnings: dict[str, str] = {}            # one per key, however many layers share it
         for i, spec in enumerate(self.model.layers):
             # every layer's solver overrides must form a valid solver config
             solver = self.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
             if spec.type != "attn":
-                warnings.update(self._check_solver(i, spec.solver, solver))
+                warnings.update(self._check_solver(i, spec.solver, solver, micro_batch))
         for key, message in warnings.items():
             warn(key, message)
 
-    def _check_solver(self, i: int, overrides: dict, solver: SolverConfig) -> dict[str, str]:
+    def _check_solver(self, i: int, overrides: dict, solver: SolverConfig, mb: int) -> dict[str, str]:
         """What a looped layer's solver can do in this run's geometry and precision: {key: warning}.
         A tolerance below bf16's floor is raised where it was set (this layer's overrides or the
         top-level section)."""
@@ -58,9 +72,9 @@ class Config:
             return f"model.layers.{i}.solver.{name}" if name in overrides else f"solver.{name}"
 
         out = {}
-        p, mb = solver.stop_quantile, self.train.micro_batch
+        p = solver.stop_quantile
         if p > 0 and quantile_limit(p, mb) == 0:
-            out[key("stop_quantile")] = (f"{p} x train.micro_batch {mb} = {p * mb:.3g} < 1: the rule tolerates no "
+            out[key("stop_quantile")] = (f"{p} x micro-batch {mb} = {p * mb:.3g} < 1: the rule tolerates no "
                                          f"unconverged sample, the same as 0 (the quantile stop needs p >= 1/{mb} "
                                          f"= {1 / mb:.3g})")
         if self.train.precision != "bf16":

@@ -21,10 +21,26 @@ def test_shipped_config_builds(path):
         assert n < 5e6
         assert {s.type for s in cfg.model.layers} >= ({"attn", "fpsa", "fpmamba", "looped"}
                                                        if "mixed" in name else set())
-    elif name.startswith("125m"):
-        assert 1.0e8 < n < 1.5e8 and cfg.data.seq_len == 2048
+    elif name.startswith("125m"):      # the GPT-3 125M geometry with seed 002's untied output layer
+        assert cfg.model.d_model == 768 and 1.6e8 < n < 3.0e8 and cfg.data.seq_len == 2048
     else:
         assert 3.0e8 < n < 4.5e8 and cfg.data.seq_len == 2048
+
+
+def test_125m_recipes_compare_at_equal_parameters():
+    """attn, fpsa and looped at the same parameters; the plain Mamba baseline within 3% of them;
+    FP-Mamba is the Mamba baseline plus its channel mixer (seed 002 compares the two at identical
+    hyperparameters); all on the same token budget."""
+    counts, budgets = {}, set()
+    for kind in ("attn", "fpsa", "looped", "mamba", "fpmamba"):
+        cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", f"125m_{kind}.yaml"))
+        with torch.device("meta"):
+            counts[kind] = fpscale.build_model(cfg).num_params()
+        budgets.add((cfg.train.steps, cfg.train.global_batch_tokens, cfg.train.lr))
+    assert counts["fpsa"] == pytest.approx(counts["attn"], rel=1e-6) == counts["looped"]
+    assert counts["mamba"] == pytest.approx(counts["attn"], rel=0.03)
+    assert counts["fpmamba"] > counts["mamba"]
+    assert budgets == {(4800, 524288, 4e-3)}
 
 
 def test_model_config_errors_name_the_key():
@@ -37,7 +53,49 @@ def test_model_config_errors_name_the_key():
     with pytest.raises(fpscale.ConfigError, match=r"data.seq_len': must not exceed model.max_seq_len"):
         fpscale.load_config(None, ["data.seq_len=4096"])
     with pytest.raises(fpscale.ConfigError, match=r"train.global_batch': must be micro_batch x grad_accum"):
-        fpscale.load_config(None, ["train.micro_batch=3", "train.global_batch=8"])
+        fpscale.load_config(None, ["train.micro_batch=3", "train.grad_accum=2", "train.global_batch=8"])
+    with pytest.raises(fpscale.ConfigError, match=r"train.global_batch_tokens': must be a whole number of "
+                                                  r"sequences of data.seq_len 128: 1000 / 128"):
+        fpscale.load_config(None, ["data.seq_len=128", "train.global_batch_tokens=1000"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_batch_resolves_on_8_to_64_ranks(path):
+    """Every recipe runs unchanged on 1 node or 8: its global batch (a token count for the GPU
+    recipes) splits as micro-batch <= train.micro_batch x accumulation on DP 1, 8, 16, 32 and 64,
+    the same number of tokens per step on each."""
+    from fpscale.train.config import resolve_batch
+    cfg = fpscale.load_config(path)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    if cfg.train.global_batch_tokens:
+        assert tokens == cfg.train.global_batch_tokens
+    for dp in (1, 8, 16, 32, 64):
+        if cfg.train.precision != "bf16" and dp > 16:     # the tiny CPU configs: 16 sequences a step
+            continue
+        plan = resolve_batch(cfg.train, dp)
+        assert plan.micro_batch * plan.grad_accum * dp * cfg.data.seq_len == tokens, dp
+        assert 1 <= plan.micro_batch <= cfg.train.micro_batch, dp
+        if cfg.train.precision == "bf16":      # a GPU recipe: the seeds' batch size, no micro-batch of 1 or 2
+            assert plan.micro_batch >= 4, dp
+
+
+def test_batch_plan_derives_the_split_or_names_the_fix():
+    from fpscale.train.config import resolve_batch
+    t = fpscale.load_config(None, ["data.seq_len=128", "train.global_batch_tokens=32768",
+                                   "train.micro_batch=8"]).train
+    assert t.global_batch == 256
+    assert [(p.micro_batch, p.grad_accum) for p in map(lambda dp: resolve_batch(t, dp), (1, 8, 16, 32, 64))] == \
+        [(8, 32), (8, 4), (8, 2), (8, 1), (4, 1)]
+    assert resolve_batch(t, 1).describe(128) == "global batch 256 x 128 tokens = micro-batch 8 x grad_accum 32 " \
+                                                "x data-parallel 1"
+    with pytest.raises(ValueError, match=r"train.global_batch = 256 sequences do not split over 24 data-parallel "
+                                         r"ranks: use a multiple of 24 \(e.g. 240 or 264\)"):
+        resolve_batch(t, 24)
+    t.grad_accum = 4
+    with pytest.raises(ValueError, match=r"must equal train.micro_batch \(8\) x train.grad_accum \(4\) x "
+                                         r"data-parallel size \(16\) = 512; set train.grad_accum: 0 to derive it"):
+        resolve_batch(t, 16)
+    assert resolve_batch(t, 8).grad_accum == 4
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -55,4 +113,5 @@ def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
             continue
         solver = cfg.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
         assert solver.stop_quantile == 0.25 and int(solver.stop_quantile * cfg.train.micro_batch) >= 1
-        assert solver.eval_iterations >= 2 * solver.max_iter
+        if solver.max_iter > 1:          # max_iter 1: a plain (one-pass) layer, such as 125m_mamba's
+            assert solver.eval_iterations >= 2 * solver.max_iter

@@ -80,12 +80,18 @@ class DistributedBatches:
         return [self.dataset.batch(idx[i:i + self.micro]) for i in range(0, len(idx), self.micro)]
 
 
-def validation_batches(dataset, batch_size: int, num_batches: int, dp_rank: int = 0, dp_size: int = 1):
-    """The same validation batches every time: the first samples in order, whole batches dealt
-    round-robin to the ranks, so every batch is the same on any DP size (a looped layer's
-    solve depends on which samples share its batch). The count is rounded down to a multiple
-    of dp_size: under ZeRO-3 every rank must run the same number of forwards."""
+def validation_batches(dataset, batch_size: int, num_batches: int, dp_rank: int = 0,
+                       dp_size: int = 1) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's validation batches as ``(batch, counted)``: the first samples in order, cut
+    into the same whole batches on any DP size (a looped layer's solve depends on which samples
+    share its batch) and dealt round-robin. Every rank runs the same number of forwards, since
+    under ZeRO-3 each forward all-gathers parameters with every rank: a rank whose turn has no
+    batch left runs the first batch again, not counted (``counted`` False)."""
     n = min(batch_size * num_batches, dataset.num_samples)
     batches = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
-    batches = batches[: max(dp_size, len(batches) - len(batches) % dp_size)]
-    return [dataset.batch(b) for b in batches[dp_rank::dp_size]]
+    rounds = -(-len(batches) // dp_size)
+    out = []
+    for r in range(rounds):
+        i = r * dp_size + dp_rank
+        out.append((dataset.batch(batches[i]), True) if i < len(batches) else (dataset.batch(batches[0]), False))
+    return out

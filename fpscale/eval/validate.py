@@ -17,25 +17,30 @@ from fpscale.train.metrics import perplexity, summarize_layers
 def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
              autocast=contextlib.nullcontext, progress: bool = False) -> dict:
     """``forward(inputs, targets=...)`` is the model or its DeepSpeed engine. Every DP rank
-    evaluates whole batches (the same batches on any layout) and the sums are all-reduced."""
+    evaluates whole batches (the same batches on any layout), all ranks the same number of
+    forwards (``validation_batches``), and the sums are all-reduced."""
     model.eval()
     batches = validation_batches(dataset, micro_batch, num_batches, state.dp_rank, state.dp_size)
     if progress and state.is_main and sys.stderr.isatty():       # a bar for people, not for log files
         from tqdm import tqdm
         batches = tqdm(batches, desc="validation", unit="batch", leave=False, dynamic_ncols=True)
-    total, count, layer_stats = 0.0, 0, {}
-    for batch in batches:
+    total = torch.zeros((), dtype=torch.float64, device=state.device)
+    count, layer_stats = 0, {}
+    for batch, counted in batches:
         batch = batch.to(state.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with autocast():
-            total += float(forward(inputs, targets=targets)) * batch.shape[0]
+            loss = forward(inputs, targets=targets)
+        if not counted:            # a turn without a batch: the forward only keeps ZeRO-3's gathers in step
+            continue
+        total += loss.detach().double() * batch.shape[0]
         count += batch.shape[0]
         for name, stats in model.solver_stats().items():
             layer_stats.setdefault(name, []).append(stats.to_dict())
+    sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=state.device)])
     if state.distributed:
-        sums = torch.tensor([total, count], dtype=torch.float64, device=state.device)
         dist.all_reduce(sums, group=state.dp_group)
-        total, count = float(sums[0]), float(sums[1])
+    total, count = sums.tolist()            # the one host synchronisation of a validation
     loss = total / count
     return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}
 

@@ -4,25 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import RMSNorm, Unsharded, init_linear, rope_span, self_attention, swiglu, swiglu_hidden
-
-
-class MLP(torch.nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). gate/up are column-parallel, down row-parallel."""
-
-    def __init__(self, d_model: int, mlp_ratio: float, init_std: float, out_std: float):
-        super().__init__()
-        hidden = swiglu_hidden(d_model, mlp_ratio)
-        self.w_gate = torch.nn.Parameter(torch.empty(hidden, d_model))
-        self.w_up = torch.nn.Parameter(torch.empty(hidden, d_model))
-        self.w_down = torch.nn.Parameter(torch.empty(d_model, hidden))
-        init_linear(self.w_gate, init_std)
-        init_linear(self.w_up, init_std)
-        init_linear(self.w_down, out_std)
-        self.shards = Unsharded()           # tensor parallelism: this shard's hidden units
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shards.exit(swiglu(self.shards.enter(x), self.w_gate, self.w_up, self.w_down))
+from fpscale.models.common import MLP, RMSNorm, Unsharded, init_linear, rope_span, self_attention
 
 
 class Attention(torch.nn.Module):

@@ -17,7 +17,9 @@ class LayerSpec:
     fpsa        spectral_norm (W_Q, W_K), temperature (learnable per-head softmax temperature)
     fpmamba     mixer (householder | dplr | kronecker | none), mixer_rank, negative_eigs
                 (Householder a_i in (0, 2): negative eigenvalues, no contraction guarantee),
-                d_state, expand, d_conv, y_feedback (B, C, Delta, Q see y_{t-1} of the last iterate)
+                d_state, expand, d_conv, y_feedback (B, C, Delta, Q see y_{t-1} of the last iterate),
+                mlp (a SwiGLU sublayer after the mixer, outside the fixed-point loop: seed 002's
+                FineWeb blocks, mamba_ssm's Block with a GatedMLP)
     looped      core_blocks (attention + MLP blocks in the core: 2x sublayers), a1_init, a2_init,
                 conv (causal depthwise conv branch on the re-injected input)
     """
@@ -34,6 +36,7 @@ class LayerSpec:
     expand: int = 2
     d_conv: int = 4
     y_feedback: bool = True
+    mlp: bool = False
     core_blocks: int = 2
     a1_init: float = 0.5
     a2_init: float = 0.5

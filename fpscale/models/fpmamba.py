@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import RMSNorm, causal_conv, init_linear, linear, wide
+from fpscale.models.common import MLP, RMSNorm, causal_conv, init_linear, linear, wide
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, make_mixer_params
 from fpscale.models.scan import scan
@@ -102,11 +102,18 @@ class FPMambaMixer(FixedPointLayer):
 
 
 class FPMambaBlock(torch.nn.Module):
+    """x + mixer(norm(x)); with ``mlp``, then x + MLP(norm(x)) (the MLP runs once, after the solve)."""
+
     def __init__(self, cfg, spec, solver):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if spec.mlp else None
+        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        return x + F.dropout(self.mixer(self.norm(x), pos, cache), self.dropout, self.training)
+        x = x + F.dropout(self.mixer(self.norm(x), pos, cache), self.dropout, self.training)
+        if self.mlp is None:
+            return x
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)

@@ -55,17 +55,20 @@ def mark_tensor_parallel(t: torch.Tensor, dim: int, parts: int = 1) -> torch.Ten
 def global_grad_norm(params, tp_group) -> torch.Tensor:
     """L2 norm of the gradients of the whole model from one TP rank's parameters: the squares of
     split parameters (``tensor_model_parallel``) are summed over the TP group, replicated ones
-    counted once. Gradients must already be reduced over data parallelism."""
-    split = torch.zeros((), dtype=torch.float64)
-    whole = torch.zeros((), dtype=torch.float64)
+    counted once. Gradients must already be reduced over data parallelism. One fp32 sum of
+    squares per group of parameters on their device (no host transfer), one all-reduce."""
+    squares = {True: [], False: []}
     for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False):
-            split += sq
-        else:
-            whole += sq
+        if p.grad is not None:
+            squares[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad.detach())
+    device = next((g.device for group in squares.values() for g in group), torch.device("cpu"))
+
+    def sum_sq(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+
+    split, whole = sum_sq(squares[True]), sum_sq(squares[False])
     return (_all_reduce(split, tp_group) + whole).sqrt()
 
 

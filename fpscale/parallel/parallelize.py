@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fpscale.models.attn import MLP, Attention
-from fpscale.models.common import swiglu_hidden
+from fpscale.models.attn import Attention
+from fpscale.models.common import MLP, swiglu_hidden
 from fpscale.models.fpmamba import FPMambaMixer
 from fpscale.models.fpsa import FPSAttention
 from fpscale.models.looped import LoopedCore
@@ -78,7 +78,7 @@ def check_divisibility(cfg, tp: int) -> None:
     """Every split dimension must divide by the TP size; the error names the numbers."""
     types = {spec.type for spec in cfg.layers}
     checks = []
-    if types & {"attn", "fpsa", "looped"}:
+    if types & {"attn", "fpsa", "looped"} or any(spec.type == "fpmamba" and spec.mlp for spec in cfg.layers):
         checks += [("model.n_heads", cfg.n_heads),
                    ("the SwiGLU hidden size", swiglu_hidden(cfg.d_model, cfg.mlp_ratio))]
     for i, spec in enumerate(cfg.layers):

@@ -9,8 +9,12 @@ from fpscale.errors import check
 
 @dataclass
 class TrainConfig:
-    """global_batch = micro_batch x grad_accum x data-parallel size. ``grad_accum: 0`` (default)
-    derives the accumulation from the other three at launch; a set value must agree with them.
+    """The batch: ``global_batch`` sequences per optimizer step, or ``global_batch_tokens`` (a token
+    count, the way recipes state it: global_batch = global_batch_tokens / data.seq_len). At launch
+    it splits as micro-batch x grad_accum x data-parallel size (``resolve_batch``): ``micro_batch``
+    is the most a device takes; with ``grad_accum: 0`` (default) each rank runs the largest
+    micro-batch up to it that divides its share, and accumulates the rest, so one recipe runs on
+    8 or 64 ranks unchanged. A set ``grad_accum`` fixes the split: the three must multiply out.
 
     lr schedule: linear warm-up for ``warmup`` steps, then cosine to ``min_lr`` at ``steps``.
     Weight decay skips 1-D parameters (norms, biases, scalars) and embeddings.
@@ -24,6 +28,7 @@ class TrainConfig:
     micro_batch: int = 8
     grad_accum: int = 0
     global_batch: int = 8
+    global_batch_tokens: int = 0  # > 0: the global batch as a token count (replaces global_batch)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 30
@@ -55,10 +60,13 @@ class TrainConfig:
         check(self.warmup >= 0, f"{prefix}.warmup", f"must be >= 0, got {self.warmup}")
         check(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr",
               f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        per_rank = self.micro_batch * max(self.grad_accum, 1)
-        check(self.global_batch % per_rank == 0, f"{prefix}.global_batch",
-              f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
-              f"of {self.micro_batch} x {max(self.grad_accum, 1)} = {per_rank}")
+        check(self.global_batch_tokens >= 0, f"{prefix}.global_batch_tokens",
+              f"must be >= 0 (0 = use global_batch), got {self.global_batch_tokens}")
+        if self.grad_accum:
+            per_rank = self.micro_batch * self.grad_accum
+            check(self.global_batch % per_rank == 0, f"{prefix}.global_batch",
+                  f"must be micro_batch x grad_accum x data-parallel size: {self.global_batch} is not a multiple "
+                  f"of {self.micro_batch} x {self.grad_accum} = {per_rank} (or set train.grad_accum: 0 to derive it)")
         check(self.peak_tflops >= 0, f"{prefix}.peak_tflops", f"must be >= 0 (0 = auto), got {self.peak_tflops}")
         check(self.save_interval >= 0, f"{prefix}.save_interval", f"must be >= 0 (0 = at the end), got "
               f"{self.save_interval}")
@@ -68,11 +76,33 @@ class TrainConfig:
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
 
 
-def resolve_grad_accum(t: TrainConfig, dp_size: int) -> int:
-    """The gradient-accumulation steps for this data-parallel size, or an error naming the numbers."""
-    per_step = t.micro_batch * dp_size
-    if t.global_batch % per_step or (t.grad_accum and t.global_batch != per_step * t.grad_accum):
-        accum = t.grad_accum or f"global_batch / ({t.micro_batch} x {dp_size})"
-        raise ValueError(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "
-                         f"train.grad_accum ({accum}) x data-parallel size ({dp_size})")
-    return t.global_batch // per_step
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch splits on this layout."""
+    global_batch: int      # sequences per optimizer step
+    micro_batch: int       # sequences per forward on one device
+    grad_accum: int        # forwards per optimizer step on one device
+    dp_size: int
+
+    def describe(self, seq_len: int) -> str:
+        return (f"global batch {self.global_batch} x {seq_len} tokens = micro-batch {self.micro_batch} x "
+                f"grad_accum {self.grad_accum} x data-parallel {self.dp_size}")
+
+
+def resolve_batch(t: TrainConfig, dp_size: int) -> BatchPlan:
+    """Split ``t.global_batch`` over ``dp_size`` ranks, or a ValueError with the numbers and a fix.
+    Derived accumulation: the largest micro-batch <= ``t.micro_batch`` dividing each rank's share."""
+    g = t.global_batch
+    if g % dp_size:
+        lo, hi = g // dp_size * dp_size, -(-g // dp_size) * dp_size
+        raise ValueError(f"train.global_batch = {g} sequences do not split over {dp_size} data-parallel ranks: "
+                         f"use a multiple of {dp_size} (e.g. {lo or hi} or {hi}) or another number of ranks")
+    share = g // dp_size
+    if t.grad_accum:
+        if share != t.micro_batch * t.grad_accum:
+            raise ValueError(f"train.global_batch = {g} must equal train.micro_batch ({t.micro_batch}) x "
+                             f"train.grad_accum ({t.grad_accum}) x data-parallel size ({dp_size}) = "
+                             f"{t.micro_batch * t.grad_accum * dp_size}; set train.grad_accum: 0 to derive it")
+        return BatchPlan(g, t.micro_batch, t.grad_accum, dp_size)
+    micro = max(m for m in range(1, min(t.micro_batch, share) + 1) if share % m == 0)
+    return BatchPlan(g, micro, share // micro, dp_size)

@@ -47,7 +47,8 @@ def layer_flops(cfg: ModelConfig, seq_len: int) -> list[tuple[float, float]]:
             feeds = 2 if spec.y_feedback else 1
             per_iter = (_mixer(spec, di) + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di
                         + 2 * 4 * di * N)                       # scan update and C^T h
-            out.append((2 * d * 2 * di + 2 * di * spec.d_conv + 2 * di * d, per_iter))
+            mlp = _mlp(d, hidden) if spec.mlp else 0.0
+            out.append((2 * d * 2 * di + 2 * di * spec.d_conv + 2 * di * d + mlp, per_iter))
         else:                          # looped: the whole core per iteration
             out.append((0.0, spec.core_blocks * (_attention(d, T) + _mlp(d, hidden))))
     return out

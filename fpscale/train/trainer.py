@@ -24,7 +24,7 @@ from fpscale.parallel.random import RNGTracker, load_rng_state, seed_default_str
 from fpscale.train import checkpoint
 from fpscale.parallel.state import ParallelState, init_parallel
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
-from fpscale.train.config import resolve_grad_accum
+from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.optim import AdamW
 from fpscale.train.schedule import lr_at
@@ -60,18 +60,23 @@ def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tupl
     return batch[:, :-1], batch[:, 1:]
 
 
-def collect_solver_stats(model, into: dict[str, list[dict]]) -> None:
-    """Append the last forward's statistics of every looped layer to ``into``."""
+def collect_solver_stats(model, into: dict[str, list]) -> None:
+    """Append the last forward's statistics of every looped layer to ``into``: the SolverStats
+    themselves, whose tensors stay on the device until a log step reads them (``as_dicts``)."""
     for name, stats in model.solver_stats().items():
-        into.setdefault(name, []).append(stats.to_dict())
+        into.setdefault(name, []).append(stats)
 
 
-def deepspeed_config(cfg: Config, grad_accum: int, load_universal: bool = False) -> dict:
+def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
+    return {name: [s.to_dict() for s in rows] for name, rows in window.items()}
+
+
+def deepspeed_config(cfg: Config, plan: BatchPlan, load_universal: bool = False) -> dict:
     t = cfg.train
     return {
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
@@ -89,7 +94,10 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
-        self.grad_accum = resolve_grad_accum(t, self.state.dp_size)
+        self.batch = resolve_batch(t, self.state.dp_size)
+        cfg.check_micro_batch(self.batch.micro_batch)
+        if self.state.is_main and log:
+            print(self.batch.describe(cfg.data.seq_len), flush=True)
         torch.manual_seed(cfg.seed)           # the same initial weights on every rank
         self.device = self.state.device
         model = build_model(cfg)
@@ -99,7 +107,7 @@ class Trainer:
         self.rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, self.rng).to(self.device)
         self.train_ds, self.val_ds = build_datasets(cfg)
-        self.batches = DistributedBatches(self.train_ds, t.global_batch, t.micro_batch, self.state.dp_rank,
+        self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
         optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
         self.skipped_steps = 0
@@ -115,7 +123,7 @@ class Trainer:
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             self.engine, optimizer, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer,
-                config={**deepspeed_config(cfg, self.grad_accum, universal), **(deepspeed_overrides or {})},
+                config={**deepspeed_config(cfg, self.batch, universal), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
         self.optimizer = optimizer
         if self.resume_from:
@@ -194,8 +202,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.batches.next_global_batch()
-        total = 0.0
-        layer_stats: dict[str, list[dict]] = {}
+        total = torch.zeros((), dtype=torch.float64, device=self.device)   # stays on the device
+        layer_stats: dict[str, list] = {}
         grad_norm = None
         for i, batch in enumerate(micro_batches):
             inputs, targets = split_batch(batch, self.device)
@@ -205,26 +213,28 @@ class Trainer:
                 if i == len(micro_batches) - 1 and self.cfg.parallel.zero_stage == 0:
                     # ZeRO-0 reports no norm and does not skip: the gradients are all-reduced by
                     # now; the norm (TP-aware, the same on every rank) decides the skip
-                    grad_norm = float(global_grad_norm(model.parameters(), self.state.tp_group))
-                    self.optimizer.skip_next = not math.isfinite(grad_norm)
+                    grad_norm = global_grad_norm(model.parameters(), self.state.tp_group)
+                    self.optimizer.skip_next = not math.isfinite(float(grad_norm))
                 self.engine.step()
-                total += float(loss.detach()) / len(micro_batches)
+                total += loss.detach().double() / len(micro_batches)
             else:
                 with self.autocast():
                     loss = model(inputs, targets=targets) / len(micro_batches)
                 loss.backward()
-                total += float(loss.detach())
+                total += loss.detach().double()
             collect_solver_stats(model, layer_stats)
         if self.engine is not None:
             if grad_norm is None:      # ZeRO 1-3 skip a non-finite step themselves and report inf
-                grad_norm = float(self.engine.get_global_grad_norm())
+                grad_norm = self.engine.get_global_grad_norm()
             total = self.dp_mean(total)
         else:
             params = [p for p in model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf")))
-            self.optimizer.skip_next = not math.isfinite(grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            self.optimizer.skip_next = not math.isfinite(float(grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.device)
+        total, grad_norm = torch.stack([total, grad_norm]).tolist()     # the step's one read of the device
         skipped = not math.isfinite(grad_norm)
         self.skipped_steps += skipped
         self.step += 1
@@ -258,13 +268,13 @@ class Trainer:
             out["memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
         return out
 
-    def dp_mean(self, value: float) -> float:
-        """Mean of a per-rank scalar over the data-parallel group (the global-batch value)."""
+    def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank scalar tensor (on the compute device) over the data-parallel group."""
         if not self.state.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=self.state.dp_group)
-        return float(t) / self.state.dp_size
+        value = value.clone()
+        dist.all_reduce(value, group=self.state.dp_group)
+        return value / self.state.dp_size
 
     def evaluate(self) -> dict:
         """The validation record: loss, perplexity and per-layer iterations at the configured
@@ -285,7 +295,7 @@ class Trainer:
         ``self.preempted`` set (launch/pretrain.py then exits with EXIT_PREEMPTED)."""
         t = self.cfg.train
         history: list[dict] = []
-        window: dict[str, list[dict]] = {}
+        window: dict[str, list] = {}       # SolverStats of the log interval, read at the log step
         tokens, t_last = 0, time.perf_counter()
         preemption = Preemption()
         end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
@@ -299,7 +309,7 @@ class Trainer:
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 now = time.perf_counter()
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
-                layers = summarize_layers(window)
+                layers = summarize_layers(as_dicts(window))
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
                           "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.skipped_steps,
                           "tokens_per_s": tokens_per_s,

@@ -59,7 +59,21 @@ def test_validation_batches_are_fixed(prepared):
     val = TokenShards(prepared + "/tokens", "val", 16)
     a = validation_batches(val, 2, 3)
     b = validation_batches(val, 2, 3)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) and cx and cy for (x, cx), (y, cy) in zip(a, b))
+
+
+def test_validation_batches_keep_every_rank_busy(prepared):
+    """Fewer batches than ranks: every rank still runs the same number of forwards (under ZeRO-3
+    each forward gathers parameters with all ranks), the extra turns are not counted, and the
+    counted batches are the same whole batches as on one rank."""
+    val = TokenShards(prepared + "/tokens", "val", 16)
+    whole = [b for b, counted in validation_batches(val, 2, 3)]
+    for dp in (2, 4, 5):
+        dealt = [validation_batches(val, 2, 3, rank, dp) for rank in range(dp)]
+        assert len({len(d) for d in dealt}) == 1, dp
+        counted = [(r, i, b) for r, d in enumerate(dealt) for i, (b, c) in enumerate(d) if c]
+        ordered = [b for _, _, b in sorted(counted, key=lambda t: (t[1], t[0]))]
+        assert len(ordered) == 3 and all(torch.equal(x, y) for x, y in zip(ordered, whole)), dp
 
 
 def test_bad_batch_geometry_names_the_numbers(shards):

@@ -32,8 +32,9 @@ CASES = {
                                      "solver.backward_max_iter=60", "solver.tol=1e-3"],
     "fpmamba-dplr-phantom": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=dplr", "model.layers.0.d_state=4",
                              "solver.backward=phantom", "solver.tol=1e-3", "solver.anderson=2"],
-    "fpmamba-kronecker-jfb": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=kronecker",
-                              "model.layers.0.d_state=4", "solver.backward=jfb", "solver.tol=1e-2"],
+    "fpmamba-kronecker-jfb-mlp": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=kronecker",
+                                  "model.layers.0.mlp=true", "model.layers.0.d_state=4", "solver.backward=jfb",
+                                  "solver.tol=1e-2"],
     "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
                              "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
 }
