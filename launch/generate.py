@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
 
     import sentencepiece as spm
@@ -34,11 +35,13 @@ def main(argv=None) -> int:
     if [k for k in missing if k != "lm_head"] or unexpected:
         print(f"error: weights do not match the config (missing {missing}, unexpected {unexpected})", file=sys.stderr)
         return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model.to(device).eval()
     tok_path = args.tokenizer or os.path.join(os.path.dirname(cfg.data.path.rstrip("/")), "tokenizer.model")
     sp = spm.SentencePieceProcessor(model_file=tok_path)
-    prompt = torch.tensor([sp.encode(args.prompt)])
+    prompt = torch.tensor([sp.encode(args.prompt)], device=device)
     out = fpscale.generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           use_cache=not args.no_cache, generator=torch.Generator().manual_seed(args.seed))
+                           use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed))
     print(sp.decode(out[0].tolist()))
     for name, st in model.solver_stats().items():
         print(f"# {name}: {st.iterations} iterations on the last token ({st.stopped_by})", file=sys.stderr)

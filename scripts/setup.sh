@@ -7,12 +7,28 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
-quiet() { "$@" 2>&1 | grep -v -e "^WARNING: Location" -e "^$" || true; }
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+# run a set-up command quietly (only its "[setup]" lines show); if it fails, print the command
+# and the end of its output, and stop with its exit status
+quiet() {
+    local log status
+    log=$(mktemp)
+    if "$@" >"$log" 2>&1; then
+        grep "^\[setup\]" "$log" || true
+        rm -f "$log"
+        return 0
+    else
+        status=$?
+    fi
+    echo "[setup] FAILED (exit $status): $*" >&2
+    tail -n 40 "$log" | sed 's/^/[setup]   /' >&2
+    rm -f "$log"
+    exit "$status"
+}
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "[setup] installing torch ${FPSCALE_TORCH:-2.13.0} (CPU wheel unless FPSCALE_TORCH says otherwise)"
     quiet $PIP install "torch==${FPSCALE_TORCH:-2.13.0}"
 fi
-if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+if ! DS_ACCELERATOR=cpu .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
     echo "[setup] installing deepspeed (built against the installed torch)"
     quiet $PIP install setuptools wheel
     quiet $PIP install --no-build-isolation "deepspeed==0.19.8"
@@ -27,7 +43,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # DeepSpeed JIT-builds its shared-memory comm op on the first CPU run (~1 min): build it now
 if .venv/bin/python -c "import torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)"; then
-    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 \
-        | grep -E "^\[setup\]|rror" || true
+    quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 fi
-DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')" 2>&1 | grep "^\[setup\]"
+quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')"

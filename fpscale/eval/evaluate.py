@@ -50,7 +50,7 @@ def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | No
         [(r["depth"], r["val_loss"]) for r in report["depths"]]
     """
     from fpscale.train.trainer import build_datasets
-    problem = checkpoint.verify(folder)
+    problem = checkpoint.verify_together(folder, state)     # every rank hashes a share
     if problem:
         raise checkpoint.CheckpointError(f"cannot evaluate {folder}: {problem}")
     model, cfg = load_whole_model(folder, state)

@@ -6,14 +6,44 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-try:  # optional GPU fast path
-    from flash_attn import flash_attn_func  # type: ignore
-except Exception:  # pragma: no cover - not installable on CPU machines
-    flash_attn_func = None
+
+def load_flash_attn():
+    """(flash_attn_func, None); (None, None) when flash-attn is not installed (SDPA is used, as
+    on CPU); (None, the exception) when it is installed but does not import (a build for another
+    CUDA or torch): that must not pass for "not installed" and train silently on SDPA."""
+    try:
+        from flash_attn import flash_attn_func  # type: ignore
+        return flash_attn_func, None
+    except ModuleNotFoundError as exc:
+        if exc.name == "flash_attn":
+            return None, None
+        return None, exc
+    except Exception as exc:      # OSError (undefined symbol), ImportError, RuntimeError ...
+        return None, exc
+
+
+FLASH_ATTN, FLASH_ATTN_ERROR = load_flash_attn()
+
+
+def flash_attn_for(q) -> object | None:
+    """flash-attn's function for this query, or None for SDPA. ``FPSCALE_FLASH_ATTN``: ``auto``
+    (default: flash-attn on CUDA in fp16/bf16 when installed), ``0`` (never), ``1`` (required)."""
+    mode = os.environ.get("FPSCALE_FLASH_ATTN", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"FPSCALE_FLASH_ATTN must be auto, 0 or 1, got {mode!r}")
+    if mode == "0" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if FLASH_ATTN is None and (FLASH_ATTN_ERROR is not None or mode == "1"):
+        why = f"it fails to import: {FLASH_ATTN_ERROR!r}" if FLASH_ATTN_ERROR else "it is not installed"
+        raise RuntimeError(f"flash-attn is wanted on this GPU but {why}. Install a build for this torch and "
+                           f"CUDA (pip install flash-attn --no-build-isolation), or set FPSCALE_FLASH_ATTN=0 "
+                           f"to run attention on PyTorch's SDPA")
+    return FLASH_ATTN
 
 
 class Unsharded:
@@ -108,13 +138,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     The query block sits at the end of the key sequence (decoding with a cache): the mask is
     aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature);
     ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval).
-    flash-attn is used on CUDA for fp16/bf16 with a scalar scale; SDPA otherwise.
+    flash-attn is used on CUDA for fp16/bf16 with a scalar scale (``flash_attn_for``); SDPA otherwise.
     """
     Tq, Tk = q.shape[-2], k.shape[-2]
     per_head = isinstance(scale, torch.Tensor)
-    if (flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and not per_head):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+    flash = None if per_head else flash_attn_for(q)
+    if flash is not None:
+        out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                               softmax_scale=scale, dropout_p=dropout_p)
         return out.transpose(1, 2)
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1

@@ -27,6 +27,7 @@ class ParallelState:
     tp_group: object = None
     dp_group: object = None
     device: torch.device = torch.device("cpu")
+    host_group: object = None   # gloo over every rank, for host-side coordination (checkpoints)
 
     @property
     def distributed(self) -> bool:
@@ -97,6 +98,20 @@ def slurm_node_address(nodelist: str) -> str:
     return first
 
 
+def compute_device(local_rank: int) -> torch.device:
+    """This process's GPU: ``cuda:LOCAL_RANK`` when it sees the node's GPUs (torchrun, deepspeed,
+    srun with --gpus-per-node), ``cuda:0`` when the scheduler bound it to one (srun with
+    --gpus-per-task=1: CUDA_VISIBLE_DEVICES names one GPU)."""
+    n = torch.cuda.device_count()
+    if local_rank < n:
+        return torch.device("cuda", local_rank)
+    if n == 1:
+        return torch.device("cuda", 0)
+    raise RuntimeError(f"LOCAL_RANK {local_rank} but this process sees {n} GPUs "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one "
+                       f"process per GPU, each seeing all of its node's GPUs or exactly one")
+
+
 def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and the TP x DP groups.
 
@@ -110,7 +125,7 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = compute_device(local_rank) if cuda else torch.device("cpu")
     if world == 1 and tp_size == 1:
         return ParallelState(device=device)
     if cuda:
@@ -128,4 +143,12 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
         g = dist.new_group(list(range(t, world, tp_size)))
         if t == tp_rank:
             dp_group = g
-    return ParallelState(rank, world, local_rank, tp_size, tp_rank, dp_size, dp_rank, tp_group, dp_group, device)
+    return ParallelState(rank, world, local_rank, tp_size, tp_rank, dp_size, dp_rank, tp_group, dp_group, device,
+                         new_host_group(timeout_s))
+
+
+def new_host_group(timeout_s: float):
+    """A gloo group over every rank for what is truly host-side (object collectives and barriers
+    of checkpoints), beside the compute group (NCCL on GPUs), with its own timeout. Every rank
+    must call it, in the same order."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -6,13 +6,18 @@
             model.pt, optim.pt         the same for one process
             fpscale_rank00000.pt       per rank: step, loader record, RNG streams, buffers
             meta.json                  step, layout, fingerprints, resolved config, TP split metadata
-            manifest.json              size and sha256 of every file above; written last
+            manifest.json              size and sha256 of every file above (and which rank hashed
+                                       how many bytes); written last
         latest                         the newest published tag, replaced after the rename
         .partial/step_.../             a save in progress: never read, cleared by the next save
         universal/step_.../            DeepSpeed's universal checkpoint, made once on a layout change
 
 A checkpoint is complete when its manifest exists and every file matches it. ``resume: auto``
 takes the newest complete one; a damaged one is skipped with a warning naming the file.
+Hashing is shared: the files are dealt to the ranks by size (``deal``), each rank hashes its
+share on save and on resume, so no rank reads more than about 1/world of a checkpoint; the
+coordination of a save runs on a gloo group whose timeout grows with the bytes saved
+(``save_timeout_s``), beside the compute group's ``parallel.timeout_s``.
 The same layout loads DeepSpeed's own shards (exact continuation: optimizer, RNG, data order);
 another TP / DP size or ZeRO stage loads through DeepSpeed's universal checkpoint, converted
 automatically; the data order continues from the global sample count either way.
@@ -99,18 +104,47 @@ def universal_info(model, tp: int) -> dict:
 
 
 # -- manifest ------------------------------------------------------------------------------------
-def write_manifest(folder: str) -> None:
-    files = {}
+def deal(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The files of a checkpoint dealt to ``world`` ranks for hashing: largest first, each to the
+    rank with the fewest bytes so far (the same answer on every rank: sorted, ties by name)."""
+    shares, load = [[] for _ in range(world)], [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(name)
+        load[r] += sizes[name]
+    return shares
+
+
+def _files(folder: str) -> dict[str, int]:
+    out = {}
     for root, _, names in os.walk(folder):
-        for n in sorted(names):
+        for n in names:
             path = os.path.join(root, n)
             rel = os.path.relpath(path, folder)
-            files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-    _write_atomic(os.path.join(folder, "manifest.json"), json.dumps({"files": files}, indent=1))
+            if rel != "manifest.json":
+                out[rel] = os.path.getsize(path)
+    return out
 
 
-def verify(folder: str) -> str | None:
-    """None if the checkpoint is complete and intact, else what is wrong (naming the file)."""
+def hash_share(folder: str, rank: int = 0, world: int = 1) -> dict[str, dict]:
+    """{file: {bytes, sha256}} of this rank's share of ``folder``'s files."""
+    sizes = _files(folder)
+    return {rel: {"bytes": sizes[rel], "sha256": sha256_file(os.path.join(folder, rel))}
+            for rel in deal(sizes, world)[rank]}
+
+
+def write_manifest(folder: str, shares: list[dict[str, dict]] | None = None) -> None:
+    """The manifest from every rank's ``hash_share`` (one process: hashes everything itself)."""
+    shares = shares if shares is not None else [hash_share(folder)]
+    files = {rel: entry for share in shares for rel, entry in sorted(share.items())}
+    hashed = {str(r): sum(e["bytes"] for e in share.values()) for r, share in enumerate(shares)}
+    _write_atomic(os.path.join(folder, "manifest.json"),
+                  json.dumps({"files": dict(sorted(files.items())), "hashed_bytes_by_rank": hashed}, indent=1))
+
+
+def verify(folder: str, rank: int = 0, world: int = 1) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong (naming the file). With
+    ``world`` > 1, only this rank's share of the files is hashed (``verify_together``)."""
     path = os.path.join(folder, "manifest.json")
     if not os.path.exists(path):
         return f"{path} is missing (an interrupted save)"
@@ -124,9 +158,30 @@ def verify(folder: str) -> str | None:
             return f"{f} is missing"
         if os.path.getsize(f) != want["bytes"]:
             return f"{f} has {os.path.getsize(f)} bytes, the manifest says {want['bytes']}"
-        if sha256_file(f) != want["sha256"]:
-            return f"{f} fails its sha256 checksum"
+    for rel in deal({rel: want["bytes"] for rel, want in files.items()}, world)[rank]:
+        if sha256_file(os.path.join(folder, rel)) != files[rel]["sha256"]:
+            return f"{os.path.join(folder, rel)} fails its sha256 checksum"
     return None
+
+
+def verify_together(folder: str, state) -> str | None:
+    """``verify`` with the hashing shared by every rank of ``state``; the same answer on each."""
+    if not state.distributed:
+        return verify(folder)
+    problems = [None] * state.world_size
+    dist.all_gather_object(problems, verify(folder, state.rank, state.world_size), group=state.host_group)
+    return next((p for p in problems if p), None)
+
+
+def save_timeout_s(parallel, num_params: int, world: int) -> float:
+    """How long the ranks of a save may wait for each other: ``parallel.save_timeout_s`` if set,
+    else the collective timeout plus the slowest rank's writing and hashing of a checkpoint of
+    16 bytes per parameter (fp32 weights, master copy and two Adam moments) at a pessimistic
+    100 MB/s of a shared file system."""
+    if parallel.save_timeout_s > 0:
+        return parallel.save_timeout_s
+    seconds_to_write, seconds_to_hash = 16 * num_params / 100e6, 16 * num_params / 100e6
+    return parallel.timeout_s + seconds_to_write + seconds_to_hash
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -154,13 +209,20 @@ def published(root: str) -> list[str]:
     return [os.path.join(root, t) for t in tags]
 
 
-def newest_complete(root: str) -> str | None:
-    """The newest checkpoint that passes its manifest; damaged ones are skipped with a warning."""
-    for folder in published(root):
-        problem = verify(folder)
+def newest_complete(root: str, state=None) -> str | None:
+    """The newest checkpoint that passes its manifest; damaged ones are skipped with a warning.
+    With ``state``, every rank calls it and shares the hashing (the listing is rank 0's)."""
+    folders = published(root)
+    if state is not None and state.distributed:
+        box = [folders]
+        dist.broadcast_object_list(box, src=0, group=state.host_group)
+        folders = box[0]
+    for folder in folders:
+        problem = verify_together(folder, state) if state is not None else verify(folder)
         if problem is None:
             return folder
-        warnings.warn(f"skipping checkpoint {folder}: {problem}", stacklevel=2)
+        if state is None or state.is_main:
+            warnings.warn(f"skipping checkpoint {folder}: {problem}", stacklevel=2)
     return None
 
 
@@ -184,9 +246,6 @@ def save(trainer) -> str:
         torch.save(trainer.model.state_dict(), os.path.join(work, "model.pt"))
         torch.save(trainer.optimizer.state_dict(), os.path.join(work, "optim.pt"))
     torch.save(rank_state(trainer), os.path.join(work, rank_file(state.rank)))
-    barrier(state)
-    fault_point("save", trainer.step)
-    target = os.path.join(root, tag)
     if state.is_main:
         meta = {"step": trainer.step, "kind": "deepspeed" if trainer.engine is not None else "single",
                 "tp": state.tp_size, "dp": state.dp_size, "world": state.world_size,
@@ -197,7 +256,16 @@ def save(trainer) -> str:
                 "split": split_info(trainer.model), "shapes": whole_shapes(trainer.model, state.tp_size),
                 "config": config_to_dict(trainer.cfg)}
         _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
-        write_manifest(work)                                      # last: marks the folder complete
+    barrier(state)
+    fault_point("save", trainer.step)
+    share = hash_share(work, state.rank, state.world_size)     # every rank hashes about 1/world
+    shares = [share]
+    if state.distributed:
+        shares = [None] * state.world_size if state.is_main else None
+        dist.gather_object(share, shares, dst=0, group=state.host_group)
+    target = os.path.join(root, tag)
+    if state.is_main:
+        write_manifest(work, shares)                              # last: marks the folder complete
         shutil.rmtree(target, ignore_errors=True)
         os.replace(work, target)
         _fsync_dir(root)
@@ -238,8 +306,9 @@ def rank_state(trainer) -> dict:
 
 
 def barrier(state) -> None:
+    """Wait for every rank on the host group (gloo, the save timeout): nothing else runs meanwhile."""
     if state.distributed:
-        dist.barrier()
+        dist.barrier(group=state.host_group)
 
 
 def fault_point(where: str, step: int) -> None:
@@ -255,23 +324,14 @@ def fault_point(where: str, step: int) -> None:
 def resolve(resume: str, run_dir: str, state) -> str | None:
     """The checkpoint folder to resume from (``auto``: the newest complete one; ``none``; or a
     path), decided on rank 0 and the same on every rank."""
-    choice = None
-    if state.is_main and resume != "none":
-        if resume == "auto":
-            choice = newest_complete(os.path.join(run_dir, CHECKPOINTS))
-        else:
-            problem = verify(resume)
-            if problem:
-                choice = CheckpointError(f"train.resume = {resume}: {problem}")
-            else:
-                choice = resume
-    if state.distributed:
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)
-        choice = box[0]
-    if isinstance(choice, Exception):
-        raise choice
-    return choice
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return newest_complete(os.path.join(run_dir, CHECKPOINTS), state)
+    problem = verify_together(resume, state)
+    if problem:
+        raise CheckpointError(f"train.resume = {resume}: {problem}")
+    return resume
 
 
 def read_meta(folder: str) -> dict:
@@ -317,8 +377,9 @@ def universal_folder(folder: str) -> str:
     tmp = out + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    workers = str(max(1, min(8, (os.cpu_count() or 2) // 2)))
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", folder,
-           "--output_folder", tmp, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+           "--output_folder", tmp, "--num_extract_workers", workers, "--num_merge_workers", workers]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     if proc.returncode:
         raise CheckpointError(f"DeepSpeed could not convert {folder} to a universal checkpoint:\n"

@@ -22,6 +22,11 @@ class TrainConfig:
     ``eval_depths: [1, 4, 16]`` also validates once per depth, every looped layer capped at that
     many solver iterations (test-time compute): the val record gains ``depths`` and scalars
     ``val_loss_depth_4`` ... (TensorBoard ``val/val_loss_depth_4``). Empty (default): no sweep.
+
+    ``export_final: true`` ends the run with rank 0 merging the last checkpoint into whole weights
+    (``final/model.safetensors``): one process reading every shard, seconds at the tiny configs,
+    minutes to hours at billions of parameters, so the GPU recipes leave it to
+    ``launch/convert.py`` on demand.
     """
 
     steps: int = 300
@@ -43,6 +48,7 @@ class TrainConfig:
     eval_depths: list[int] = field(default_factory=list)   # evaluation depths to sweep at each validation
     out_dir: str = "runs"
     save_interval: int = 0        # steps between checkpoints; 0 = only at the end (always saved)
+    export_final: bool = False    # at the end, also merge the last checkpoint into final/ (docstring)
     keep_last: int = 3            # checkpoints kept in runs/<name>/checkpoints (0 = all)
     resume: str = "auto"          # auto (newest complete checkpoint of this run, if any) | none | a folder
     stop_at: int = 0              # save and end this run at this step (a time slice); 0 = at train.steps

@@ -22,7 +22,7 @@ from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, load_rng_state, seed_default_stream
 from fpscale.train import checkpoint
-from fpscale.parallel.state import ParallelState, init_parallel
+from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
@@ -106,6 +106,9 @@ class Trainer:
         seed_default_stream(cfg.seed, self.state)
         self.rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, self.rng).to(self.device)
+        if self.state.distributed:         # checkpoint waits scale with the model (whole-model parameters)
+            self.state.host_group = new_host_group(
+                checkpoint.save_timeout_s(cfg.parallel, model.num_params() * self.state.tp_size, self.state.world_size))
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
@@ -233,7 +236,7 @@ class Trainer:
             self.optimizer.skip_next = not math.isfinite(float(grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.device)
+        grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device)
         total, grad_norm = torch.stack([total, grad_norm]).tolist()     # the step's one read of the device
         skipped = not math.isfinite(grad_norm)
         self.skipped_steps += skipped
@@ -345,7 +348,7 @@ class Trainer:
                 self.save_checkpoint()
         if not self.preempted:
             final = self.save_checkpoint()
-            if self.state.is_main:
+            if t.export_final and self.state.is_main:      # one process merges every shard: opt-in
                 checkpoint.export_safetensors(final, os.path.join(self.run_dir, "final"))
         self.metrics.close()
         return history

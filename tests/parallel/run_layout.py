@@ -4,6 +4,8 @@
     python tests/parallel/run_layout.py OUT_DIR                         # the one-process reference
 Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
 ``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss).
+Every step and the validation run under ``device_check.checked_collectives``: a collective handed a
+tensor off the compute device fails the run (what NCCL would do on a GPU).
 """
 import json
 import os
@@ -13,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import fpscale  # noqa: E402
 from fpscale.train.trainer import Trainer  # noqa: E402
+from tests.parallel.device_check import checked_collectives, unnamed_device_is_meta  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
@@ -20,6 +23,14 @@ BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "mode
 
 
 def main():
+    import torch
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    with checked_collectives(device) as checked:       # before DeepSpeed looks the collectives up
+        run(checked)
+
+
+def run(checked):
     out, args = sys.argv[1], sys.argv[2:]
     zero = [a.split("=")[1] for a in args if a.startswith("zero_stage=")]
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
@@ -38,17 +49,18 @@ def main():
         trainer.model.embed.register_forward_hook(
             lambda m, i, out: out * float("nan") if trainer.step == nan_at[0] else out)
     steps = []
-    for _ in range(cfg.train.steps):
-        s = trainer.train_step()
-        steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
-                      "iterations": {k: [r["iterations"] for r in v] for k, v in s["layer_stats"].items()}})
-    val = trainer.evaluate()
+    with unnamed_device_is_meta():
+        for _ in range(cfg.train.steps):
+            s = trainer.train_step()
+            steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
+                          "iterations": {k: [st.iterations for st in v] for k, v in s["layer_stats"].items()}})
+        val = trainer.evaluate()
     # replicated (not TP-split) weights: every TP shard must hold the very same values
     replicated = {n: float(p.detach().double().sum()) for n, p in trainer.model.named_parameters()
                   if not getattr(p, "tensor_model_parallel", False) and p.numel() > 0}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size,
-                   "replicated": replicated}, fh)
+                   "replicated": replicated, "checked_collectives": dict(checked)}, fh)
 
 
 if __name__ == "__main__":

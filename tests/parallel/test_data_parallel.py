@@ -52,3 +52,18 @@ def test_one_rank_nan_skips_the_step_on_every_rank(tmp_path, reference_nan, layo
             if i != 2:
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert r["val_loss"] == pytest.approx(reference_nan["val_loss"], rel=1e-5)
+
+
+def test_zero3_validation_with_fewer_batches_than_ranks_finishes(tmp_path):
+    """eval_batches 1 on 4 ranks under ZeRO-3: three ranks have no batch of their own, yet every
+    forward all-gathers parameters with all four. d_model 384 puts the attention and MLP weights
+    (>= 442k elements) above ZeRO-3's persistence threshold (1e5), so they are partitioned and
+    gathered: before validation dealt a turn to every rank this waited out the collective timeout.
+    The loss is the one batch's, as on one process."""
+    args = ["config=tiny_attn.yaml", "model.d_model=384", "train.eval_batches=1", "train.steps=1",
+            "parallel.timeout_s=60"]
+    torchrun(4, SCRIPT, [str(tmp_path / "dp4"), "zero_stage=3", *args], timeout=240)
+    ranks = read_ranks(str(tmp_path / "dp4"))
+    assert len(ranks) == 4 and ranks[0]["checked_collectives"]["all_gather_into_tensor"] > 0
+    reference = one_process_reference(str(tmp_path / "one"), *args)
+    assert all(r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5) for r in ranks)

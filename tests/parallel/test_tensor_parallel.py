@@ -20,7 +20,8 @@ def test_every_layer_type_split_over_tp_equals_the_whole_model(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc,zero", [(2, 1), (2, 3), (4, 2)], ids=["tp2-zero1", "tp2-zero3", "tp2xdp2-zero2"])
+@pytest.mark.parametrize("nproc,zero", [(2, 0), (2, 1), (2, 3), (4, 2)],
+                         ids=["tp2-zero0", "tp2-zero1", "tp2-zero3", "tp2xdp2-zero2"])
 def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
     """tiny_mixed (attn, fpsa, fpmamba, looped) trained 5 steps on a TP layout vs one process."""
     torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}"], timeout=400)

@@ -207,3 +207,30 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, straight):
     pretrain("zero1", tmp_path, "pre")
     got, want = records(tmp_path, "pre"), records(straight("zero1").parent, "zero1")
     assert all(got[s]["loss"] == want[s]["loss"] for s in range(1, 9))
+
+
+def test_every_rank_hashes_its_share_of_a_save(straight):
+    """A save's hashing is dealt over the ranks by bytes: rank 0 no longer hashes every shard of
+    every rank (its bytes do not grow from 2 to 4 ranks), no rank hashes more than 1/world of the
+    checkpoint plus one file, and every file is hashed exactly once (the manifest's record)."""
+    from fpscale.train.checkpoint import verify
+    per_world = {}
+    for layout, world in (("zero1", 2), ("tp2xdp2", 4)):
+        folder = os.path.join(straight(layout), "checkpoints", "step_00000008")
+        manifest = json.load(open(os.path.join(folder, "manifest.json")))
+        sizes = [f["bytes"] for f in manifest["files"].values()]
+        hashed = {int(r): b for r, b in manifest["hashed_bytes_by_rank"].items()}
+        assert sorted(hashed) == list(range(world)) and sum(hashed.values()) == sum(sizes)
+        assert max(hashed.values()) <= sum(sizes) / world + max(sizes), hashed
+        per_world[world] = hashed[0]
+        assert verify(folder) is None and verify(folder, 1, world) is None
+    assert per_world[4] <= per_world[2], per_world
+
+
+def test_checkpoint_files_are_dealt_by_bytes():
+    from fpscale.train.checkpoint import deal
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10, "e": 10}
+    shares = deal(sizes, 2)
+    assert sorted(sum(shares, [])) == sorted(sizes)                       # each file exactly once
+    assert sorted(sum(sizes[f] for f in s) for s in shares) == [110, 120]
+    assert deal(sizes, 2) == shares and deal(sizes, 8)[5:] == [[], [], []]
