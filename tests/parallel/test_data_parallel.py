@@ -62,6 +62,8 @@ def test_zero3_validation_with_fewer_batches_than_ranks_finishes(tmp_path):
     The loss is the one batch's, as on one process."""
     args = ["config=tiny_attn.yaml", "model.d_model=384", "train.eval_batches=1", "train.steps=1",
             "parallel.timeout_s=60"]
+    (tmp_path / "dp4").mkdir()
+    (tmp_path / "one").mkdir()
     torchrun(4, SCRIPT, [str(tmp_path / "dp4"), "zero_stage=3", *args], timeout=240)
     ranks = read_ranks(str(tmp_path / "dp4"))
     assert len(ranks) == 4 and ranks[0]["checked_collectives"]["all_gather_into_tensor"] > 0

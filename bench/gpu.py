@@ -1,0 +1,159 @@
+"""The GPU recipes on the GPU present: throughput, MFU, memory, iterations; flash-attn vs SDPA;
+the largest micro-batch for implicit vs unrolled backward (the product's promise).
+
+    python bench/gpu.py                          # every configs/125m_*.yaml on cuda:0, bf16
+    python bench/gpu.py --configs configs/125m_fpsa.yaml --steps 20
+    python bench/gpu.py --quick                  # CPU: tiny configs, seconds (checks the pipeline)
+
+Per config (one process, one device, micro-batch ``--micro``, no accumulation, ``--steps`` timed
+after ``--warmup``): tokens/s, TFLOP/s and MFU nominal (every looped layer counted once) and
+executed (the iterations taken), peak memory, mean solver iterations per looped layer. The attention
+configs run twice, flash-attn (``FPSCALE_FLASH_ATTN=auto``) and SDPA (``=0``). Then, per looped
+config, the micro-batch is doubled until the device runs out of memory, with the solver run to
+exactly ``--fit-iters`` iterations (tol 0) and the backward implicit or unrolled. On CPU there is
+no memory limit to hit: the fit search is skipped and reported as such.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+from common import print_table, write_json  # noqa: E402
+
+
+def trainer_for(path: str, micro: int, steps: int, extra: list[str]):
+    import fpscale
+    from fpscale.train.trainer import Trainer
+    over = [f"train.micro_batch={micro}", "train.global_batch_tokens=0", f"train.global_batch={micro}",
+            f"train.steps={steps}", "train.resume=none", "train.out_dir=/tmp/fpscale-bench-gpu",
+            "train.log_interval=1000000", "train.eval_interval=1000000", *extra]
+    return Trainer(fpscale.load_config(path, over), log=False)
+
+
+def sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def throughput(path: str, args, flash: str) -> dict:
+    import torch
+    from fpscale.train.metrics import summarize_layers
+    from fpscale.train.trainer import as_dicts
+    os.environ["FPSCALE_FLASH_ATTN"] = flash
+    trainer = trainer_for(path, args.micro, args.warmup + args.steps, args.override)
+    device = trainer.device
+    for _ in range(args.warmup):
+        trainer.train_step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0, tokens, window = time.perf_counter(), 0, {}
+    for _ in range(args.steps):
+        out = trainer.train_step()
+        tokens += out["tokens"]
+        for name, rows in out["layer_stats"].items():
+            window.setdefault(name, []).extend(rows)
+    sync(device)
+    tokens_per_s = tokens / (time.perf_counter() - t0)
+    layers = summarize_layers(as_dicts(window))
+    rec = trainer.compute_record(layers, tokens_per_s)
+    from fpscale.models.common import FLASH_ATTN
+    flash_used = flash == "auto" and FLASH_ATTN is not None and device.type == "cuda"
+    row = {"config": Path(path).stem, "attention": "flash-attn" if flash_used else "sdpa",
+           "params_M": trainer.model.num_params() / 1e6, "micro": args.micro, "tokens_per_s": tokens_per_s,
+           "tflops_nominal": rec["tflops_nominal"], "tflops_executed": rec["tflops_executed"],
+           "mfu_nominal": rec.get("mfu_nominal"), "mfu_executed": rec.get("mfu_executed"),
+           "peak_gib": rec["memory_gib"],
+           "iters": " ".join(f"{n.split('.')[1]}:{s['iters_mean']:.1f}" for n, s in layers.items()) or "-"}
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def fits(path: str, micro: int, backward: str, args) -> bool:
+    """One forward + backward at this micro-batch, the solver at exactly ``fit_iters`` iterations."""
+    import torch
+    extra = [f"solver.backward={backward}", f"solver.max_iter={args.fit_iters}", "solver.tol=0",
+             "solver.stop_quantile=0", f"solver.backward_max_iter={args.fit_iters}", "solver.backward_tol=0",
+             "model.iteration_cap.dist=none", *args.override]
+    trainer = None
+    try:
+        trainer = trainer_for(path, micro, 1, extra)
+        trainer.train_step()
+        sync(trainer.device)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del trainer
+        torch.cuda.empty_cache()
+
+
+def largest_micro_batch(path: str, backward: str, args) -> int:
+    best, micro = 0, 1
+    while micro <= args.fit_max and fits(path, micro, backward, args):
+        best, micro = micro, micro * 2
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="*", help="default: configs/125m_*.yaml (--quick: tiny_attn, tiny_fpsa)")
+    ap.add_argument("--micro", type=int, default=None, help="micro-batch of the throughput runs (default 8, quick 2)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--fit-iters", type=int, default=16)
+    ap.add_argument("--fit-max", type=int, default=256, help="stop doubling the micro-batch here")
+    ap.add_argument("--quick", action="store_true", help="CPU pipeline check: tiny configs, 2 steps")
+    ap.add_argument("--override", nargs="*", default=[], help="config overrides for every run (key=value)")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    import torch
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        args.configs = args.configs or [str(ROOT / "configs/tiny_attn.yaml"), str(ROOT / "configs/tiny_fpsa.yaml")]
+        args.warmup, args.steps = 1, 2
+        args.override = ["data.source=synthetic", "data.seq_len=32", "train.precision=fp32", *args.override]
+    configs = args.configs or sorted(glob.glob(str(ROOT / "configs/125m_*.yaml")))
+    args.micro = args.micro or (2 if args.quick else 8)
+    import fpscale
+    rows, fit_rows = [], []
+    for path in configs:
+        attention = any(s.type in ("attn", "fpsa", "looped") for s in fpscale.load_config(path).model.layers)
+        flashes = ("auto", "0") if attention and torch.cuda.is_available() else ("auto",)
+        for flash in flashes:
+            rows.append(throughput(path, args, flash))
+            print_table(rows[-1:], list(rows[-1]))
+    print_table(rows, ["config", "attention", "params_M", "micro", "tokens_per_s", "tflops_executed",
+                       "mfu_nominal", "mfu_executed", "peak_gib", "iters"])
+    os.environ["FPSCALE_FLASH_ATTN"] = "auto"
+    for path in configs:
+        cfg = fpscale.load_config(path)
+        looped = [cfg.solver.with_overrides(s.solver, "").max_iter for s in cfg.model.layers if s.type != "attn"]
+        if not any(n > 1 for n in looped):      # attention only, or one-pass layers (125m_mamba)
+            continue
+        row = {"config": Path(path).stem, "iterations": args.fit_iters}
+        if torch.cuda.is_available():
+            for backward in ("implicit", "unroll"):
+                row[f"max_micro_{backward}"] = largest_micro_batch(path, backward, args)
+            row["gain_x"] = row["max_micro_implicit"] / max(row["max_micro_unroll"], 1)
+        else:
+            row["max_micro_implicit"] = row["max_micro_unroll"] = "needs a GPU"
+        fit_rows.append(row)
+    if fit_rows:
+        print_table(fit_rows, list(fit_rows[0]))
+    write_json("gpu", {"args": vars(args), "rows": rows, "fit_rows": fit_rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
