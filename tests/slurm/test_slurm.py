@@ -62,7 +62,7 @@ def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, tmp_path):
 
     # the evaluation job reads that checkpoint and writes its report
     eval_out = tmp_path / "eval.out"
-    job = cluster.sbatch(["--ntasks=1", "--gpus-per-task=0", "--cpus-per-task=1", f"--output={eval_out}",
+    job = cluster.sbatch(["--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={eval_out}",
                           "launch/slurm/evaluate.sbatch", str(ckpt), "--out", str(tmp_path / "report")],
                          env=job_env(tmp_path), cwd=ROOT)
     info = cluster.wait(job, timeout=300)
