@@ -98,3 +98,13 @@ def test_eval_max_iter_defaults_to_the_training_cap():
     assert cfg.solver.eval_iterations == 64
     with pytest.raises(ConfigError, match=r"'solver.eval_max_iter': must be >= 0"):
         fpscale.load_config(None, ["solver.eval_max_iter=-1"])
+
+
+def test_the_save_timeout_grows_with_the_model():
+    """A save of 1.3B parameters (21 GB at 16 bytes each) may take minutes on a shared file system:
+    its waits get parallel.timeout_s plus writing and hashing at 100 MB/s, unless set."""
+    from fpscale.parallel.config import ParallelConfig
+    from fpscale.train.checkpoint import save_timeout_s
+    assert save_timeout_s(ParallelConfig(), 2_000_000) == pytest.approx(300 + 0.64)
+    assert save_timeout_s(ParallelConfig(), 1_300_000_000) == pytest.approx(300 + 416)
+    assert save_timeout_s(ParallelConfig(save_timeout_s=50), 1_300_000_000) == 50

@@ -70,7 +70,10 @@ def test_shipped_config_batch_resolves_on_8_to_64_ranks(path):
     if cfg.train.global_batch_tokens:
         assert tokens == cfg.train.global_batch_tokens
     for dp in (1, 8, 16, 32, 64):
-        if cfg.train.precision != "bf16" and dp > 16:     # the tiny CPU configs: 16 sequences a step
+        if cfg.train.global_batch < dp:       # the tiny CPU configs (16 sequences a step): an error with the fix
+            with pytest.raises(ValueError, match=rf"do not split over {dp} data-parallel ranks: use a multiple "
+                                                 rf"of {dp} \(e.g. {dp}\)"):
+                resolve_batch(cfg.train, dp)
             continue
         plan = resolve_batch(cfg.train, dp)
         assert plan.micro_batch * plan.grad_accum * dp * cfg.data.seq_len == tokens, dp

@@ -126,9 +126,10 @@ def _files(folder: str) -> dict[str, int]:
     return out
 
 
-def hash_share(folder: str, rank: int = 0, world: int = 1) -> dict[str, dict]:
-    """{file: {bytes, sha256}} of this rank's share of ``folder``'s files."""
-    sizes = _files(folder)
+def hash_share(folder: str, rank: int = 0, world: int = 1, sizes: dict[str, int] | None = None) -> dict[str, dict]:
+    """{file: {bytes, sha256}} of this rank's share of ``folder``'s files (``sizes``: rank 0's
+    listing, so that every rank deals the same files even where a file system lists late)."""
+    sizes = sizes if sizes is not None else _files(folder)
     return {rel: {"bytes": sizes[rel], "sha256": sha256_file(os.path.join(folder, rel))}
             for rel in deal(sizes, world)[rank]}
 
@@ -173,7 +174,7 @@ def verify_together(folder: str, state) -> str | None:
     return next((p for p in problems if p), None)
 
 
-def save_timeout_s(parallel, num_params: int, world: int) -> float:
+def save_timeout_s(parallel, num_params: int) -> float:
     """How long the ranks of a save may wait for each other: ``parallel.save_timeout_s`` if set,
     else the collective timeout plus the slowest rank's writing and hashing of a checkpoint of
     16 bytes per parameter (fp32 weights, master copy and two Adam moments) at a pessimistic
@@ -258,7 +259,10 @@ def save(trainer) -> str:
         _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
     barrier(state)
     fault_point("save", trainer.step)
-    share = hash_share(work, state.rank, state.world_size)     # every rank hashes about 1/world
+    listing = [_files(work) if state.is_main else None]
+    if state.distributed:
+        dist.broadcast_object_list(listing, src=0, group=state.host_group)
+    share = hash_share(work, state.rank, state.world_size, listing[0])    # every rank hashes about 1/world
     shares = [share]
     if state.distributed:
         shares = [None] * state.world_size if state.is_main else None

@@ -101,8 +101,9 @@ def resolve_batch(t: TrainConfig, dp_size: int) -> BatchPlan:
     g = t.global_batch
     if g % dp_size:
         lo, hi = g // dp_size * dp_size, -(-g // dp_size) * dp_size
+        nearest = f"{lo} or {hi}" if lo else f"{hi}"
         raise ValueError(f"train.global_batch = {g} sequences do not split over {dp_size} data-parallel ranks: "
-                         f"use a multiple of {dp_size} (e.g. {lo or hi} or {hi}) or another number of ranks")
+                         f"use a multiple of {dp_size} (e.g. {nearest}) or another number of ranks")
     share = g // dp_size
     if t.grad_accum:
         if share != t.micro_batch * t.grad_accum:

@@ -106,9 +106,9 @@ class Trainer:
         seed_default_stream(cfg.seed, self.state)
         self.rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, self.rng).to(self.device)
-        if self.state.distributed:         # checkpoint waits scale with the model (whole-model parameters)
-            self.state.host_group = new_host_group(
-                checkpoint.save_timeout_s(cfg.parallel, model.num_params() * self.state.tp_size, self.state.world_size))
+        if self.state.distributed:         # checkpoint waits scale with the (whole) model
+            whole_params = model.num_params() * self.state.tp_size
+            self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
@@ -237,7 +237,9 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device)
-        total, grad_norm = torch.stack([total, grad_norm]).tolist()     # the step's one read of the device
+        # loss and norm in one read of the device (one process and ZeRO-0 read the norm before the
+        # update too: whether to skip it); per-micro-batch values never leave the device
+        total, grad_norm = torch.stack([total, grad_norm]).tolist()
         skipped = not math.isfinite(grad_norm)
         self.skipped_steps += skipped
         self.step += 1
