@@ -7,8 +7,8 @@
 
 Several processes train through DeepSpeed (ZeRO stage parallel.zero_stage); one process trains
 with torch's AdamW. The run directory runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
-checkpoints/ (every train.save_interval steps and at the end) and final/ (whole weights as
-safetensors). ``train.resume: auto`` (the default) continues from the newest complete checkpoint.
+checkpoints/ (every train.save_interval steps and at the end) and, with train.export_final,
+final/ (whole weights as safetensors; launch/convert.py makes them from any checkpoint). ``train.resume: auto`` (the default) continues from the newest complete checkpoint.
 
 Exit codes: 0 done; 2 a configuration / checkpoint that cannot work (the message names it);
 75 preempted: SIGTERM or SIGUSR1 made every rank save at the next step boundary (resume with
@@ -50,6 +50,9 @@ def main(argv=None) -> int:
               f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "
               f"{cfg.parallel.zero_stage if trainer.state.distributed else '-'})", flush=True)
     trainer.train()
+    if trainer.state.distributed:          # leave NCCL / gloo cleanly (no "process group not destroyed")
+        import torch.distributed as dist
+        dist.destroy_process_group()
     return EXIT_PREEMPTED if trainer.preempted else 0
 
 
