@@ -25,6 +25,7 @@ def parse_args(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None
     p.add_argument("--quick", action="store_true", help="seconds-long pipeline check (CI), not the result")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG")
+    p.add_argument("--fresh", action="store_true", help="retrain runs whose results are kept in <out>/runs")
     if extra:
         extra(p)
     args = p.parse_args()
@@ -80,17 +81,76 @@ class Timer:
 
 
 # -- language: fpscale's Trainer in one process ------------------------------------------------
-def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eval_depths: Sequence[int] = ()) -> dict:
+def run_key(cfg) -> str:
+    """A hash of the resolved config, without where the run is written: the same model, data and
+    recipe give the same key (so a kept run is reused only for exactly that setting)."""
+    import hashlib
+    from fpscale.config import config_to_dict
+    d = config_to_dict(cfg)
+    d.pop("name", None)
+    for k in ("out_dir", "resume", "eval_depths"):
+        d["train"].pop(k, None)
+    d["data"].pop("path", None)
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def find_kept(out_dir: str, key: str) -> dict | None:
+    if not os.path.isdir(out_dir):
+        return None
+    for f in sorted(os.listdir(out_dir)):
+        if f.endswith(".result.json"):
+            with open(os.path.join(out_dir, f)) as fh:
+                out = json.load(fh)
+            if out.get("key") == key:
+                print(f"reusing {f} (same resolved config; --fresh to retrain)", flush=True)
+                return out
+    return None
+
+
+def depth_sweep(trainer, depths: Sequence[int]) -> list[dict]:
+    """Validation once per evaluation depth on the trained model (fpscale.eval.validate_depths)."""
+    from fpscale.eval.validate import validate_depths
+    t = trainer.cfg.train
+    return validate_depths(trainer.model, trainer.model, trainer.val_ds, t.micro_batch, t.eval_batches,
+                           list(depths), trainer.state)
+
+
+def depth_sweep_from_weights(cfg, weights: str, depths: Sequence[int]) -> list[dict]:
+    """The depth sweep of a finished run, from its exported weights (runs/<name>/final)."""
+    from types import SimpleNamespace
+    import fpscale
+    from fpscale.eval.validate import validate_depths
+    from fpscale.train.checkpoint import load_safetensors
+    from fpscale.train.trainer import build_datasets
+    model = fpscale.build_model(cfg)
+    load_safetensors(model, weights)
+    _, val = build_datasets(cfg)
+    state = SimpleNamespace(dp_rank=0, dp_size=1, device=torch.device("cpu"), distributed=False, is_main=True)
+    t = cfg.train
+    return validate_depths(model, model, val, t.micro_batch, t.eval_batches, list(depths), state)
+
+
+def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eval_depths: Sequence[int] = (),
+             reuse: bool = False) -> dict:
     """Train ``configs/<config>.yaml`` with ``overrides`` through fpscale.train.Trainer (one
-    process) and return {val_loss, val_ppl, layers, history, params, wall_s, flops...}."""
+    process) and return {val_loss, val_ppl, layers, history, params, wall_s, flops...}, also kept in
+    ``out_dir/<name>.result.json``; with ``reuse`` a kept result of the same overrides is returned."""
     import fpscale
     from fpscale.train.trainer import Trainer
     path = config if config.endswith(".yaml") else os.path.join(ROOT, "configs", f"{config}.yaml")
     over = [f"name={name}", f"train.out_dir={out_dir}", "train.resume=none",
             f"data.path={os.path.join(ROOT, 'cache/corpus/tokens')}", *overrides]
-    if eval_depths:
-        over.append(f"train.eval_depths=[{','.join(str(d) for d in eval_depths)}]")
     cfg = fpscale.load_config(path, over)
+    key = run_key(cfg)
+    if reuse:
+        kept = find_kept(out_dir, key)
+        if kept is not None:
+            if eval_depths and [r["depth"] for r in kept.get("depths", [])] != list(eval_depths):
+                kept["depths"] = depth_sweep_from_weights(cfg, os.path.join(out_dir, kept["run"], "final"),
+                                                          eval_depths)
+                with open(os.path.join(out_dir, f"{kept['run']}.result.json"), "w") as fh:
+                    json.dump(kept, fh, default=float)
+            return kept
     with Timer() as t:
         trainer = Trainer(cfg, log=True)
         history = trainer.train()
@@ -102,14 +162,19 @@ def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eva
         if hasattr(m, "scalings"):
             a1, b1, a2, b2 = (float(v.detach()) for v in m.scalings())
             scal[name_] = {"a1": a1, "b1": b1, "a2": a2, "b2": b2}
-    return {"config": config, "overrides": list(overrides), "params": trainer.model.num_params(),
+    depths = depth_sweep(trainer, eval_depths) if eval_depths else []
+    out = {"config": config, "overrides": list(overrides), "key": key, "run": name,
+           "params": trainer.model.num_params(),
             "val_loss": last_val["val_loss"], "val_ppl": last_val["val_ppl"], "layers": last_val["layers"],
-            "depths": last_val.get("depths", []), "wall_s": t.s,
+            "depths": depths, "wall_s": t.s,
             "val_curve": [(r["step"], r["val_loss"]) for r in vals],
             "train_curve": [(r["step"], r["loss"]) for r in trains],
             "flops_per_token_nominal": last_train["flops_per_token_nominal"],
             "flops_per_token_executed": last_train["flops_per_token_executed"],
-            "train_layers": last_train["layers"], "scalings": scal}
+            "train_layers": last_train["layers"], "scalings": scal, "threads": torch.get_num_threads()}
+    with open(os.path.join(out_dir, f"{name}.result.json"), "w") as fh:
+        json.dump(out, fh, default=float)
+    return out
 
 
 # -- synthetic, position-aligned tasks: a small loop over fpscale's model and optimizer ----------

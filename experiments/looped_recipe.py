@@ -24,14 +24,14 @@ import torch  # noqa: E402
 from experiments.common import Timer, parse_args, plt, save, table, train_lm  # noqa: E402
 
 CORE = "model.layers.1"
-VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml
+VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml, in order of priority
     "shipped": [],
-    "a1=0.9,a2=0.9": [f"{CORE}.a1_init=0.9", f"{CORE}.a2_init=0.9"],
     "a1=0.9": [f"{CORE}.a1_init=0.9"],
+    "no cap": ["model.iteration_cap.dist=none"],
     "a1=0.75": [f"{CORE}.a1_init=0.75"],
     "a2=0.9": [f"{CORE}.a2_init=0.9"],
-    "no cap": ["model.iteration_cap.dist=none"],
     "phantom k=4": ["solver.phantom_steps=4"],
+    "a1=0.9,a2=0.9": [f"{CORE}.a1_init=0.9", f"{CORE}.a2_init=0.9"],
     "implicit, no cap": ["solver.backward=implicit", "solver.backward_tol=1e-3", "solver.backward_max_iter=20",
                          "model.iteration_cap.dist=none"],
 }
@@ -69,7 +69,8 @@ def main():
     for name in names:
         print(f"== {name}", flush=True)
         runs[name] = train_lm("tiny_looped", VARIANTS[name] + steps, "looped_" + name.replace(" ", "_")
-                              .replace(",", "_").replace("=", ""), runs_dir)
+                              .replace(",", "_").replace("=", ""), runs_dir,
+                              reuse=not (args.fresh or args.quick))
     rows = []
     for name, r in runs.items():
         core = r["layers"].get("layers.1.looped", {})
