@@ -24,14 +24,17 @@ import torch  # noqa: E402
 from experiments.common import Timer, parse_args, plt, save, table, train_lm  # noqa: E402
 
 CORE = "model.layers.1"
-VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml, in order of priority
-    "shipped": [],
+BASE = [f"{CORE}.a1_init=0.5", f"{CORE}.a2_init=0.5"]      # the core's scalings before issue #17
+VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml after BASE, in order of priority
+    "shipped": [],                                          # a1 = a2 = 0.5
     "a1=0.9": [f"{CORE}.a1_init=0.9"],
     "no cap": ["model.iteration_cap.dist=none"],
     "a1=0.75": [f"{CORE}.a1_init=0.75"],
     "a2=0.9": [f"{CORE}.a2_init=0.9"],
     "phantom k=4": ["solver.phantom_steps=4"],
     "a1=0.9,a2=0.9": [f"{CORE}.a1_init=0.9", f"{CORE}.a2_init=0.9"],
+    "shipped, seed 2": ["seed=2"],
+    "a1=0.9, seed 2": [f"{CORE}.a1_init=0.9", "seed=2"],
     "implicit, no cap": ["solver.backward=implicit", "solver.backward_tol=1e-3", "solver.backward_max_iter=20",
                          "model.iteration_cap.dist=none"],
 }
@@ -68,7 +71,7 @@ def main():
     runs_dir = os.path.join(args.out, "runs")
     for name in names:
         print(f"== {name}", flush=True)
-        runs[name] = train_lm("tiny_looped", VARIANTS[name] + steps, "looped_" + name.replace(" ", "_")
+        runs[name] = train_lm("tiny_looped", BASE + VARIANTS[name] + steps, "looped_" + name.replace(" ", "_")
                               .replace(",", "_").replace("=", ""), runs_dir,
                               reuse=not (args.fresh or args.quick))
     rows = []
