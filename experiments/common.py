@@ -81,6 +81,11 @@ class Timer:
 
 
 # -- language: fpscale's Trainer in one process ------------------------------------------------
+LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spectral_norm", "temperature"],
+                "fpmamba": ["mixer", "mixer_rank", "negative_eigs", "d_state", "expand", "d_conv", "y_feedback"],
+                "looped": ["core_blocks", "a1_init", "a2_init", "conv"]}
+
+
 def run_key(cfg) -> str:
     """A hash of the resolved config, without where the run is written: the same model, data and
     recipe give the same key (so a kept run is reused only for exactly that setting)."""
@@ -88,6 +93,9 @@ def run_key(cfg) -> str:
     from fpscale.config import config_to_dict
     d = config_to_dict(cfg)
     d.pop("name", None)
+    for spec in d["model"]["layers"]:            # only the fields the layer type reads
+        for k in [k for k in spec if k not in LAYER_FIELDS["all"] + LAYER_FIELDS[spec["type"]]]:
+            spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)
     d["data"].pop("path", None)

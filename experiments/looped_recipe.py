@@ -5,7 +5,7 @@ x 16 x 128 tokens, one process), one factor at a time from the shipped recipe:
   residual scalings at initialisation (a1, a2), the randomised training cap, the backward mode
   (phantom k = 2, k = 4, implicit), and the core's share of the input at initialisation.
 
-    PYTHONPATH=. python experiments/looped_recipe.py            # full: 8 runs, ~25 min on 2 cores
+    PYTHONPATH=. python experiments/looped_recipe.py            # full: 11 runs, ~40 min on 2 cores
     PYTHONPATH=. python experiments/looped_recipe.py --only 'shipped;a1=0.9'
     PYTHONPATH=. python experiments/looped_recipe.py --quick    # seconds: pipeline check
 
@@ -34,6 +34,7 @@ VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml after BASE, in
     "phantom k=4": ["solver.phantom_steps=4"],
     "a1=0.9,a2=0.9": [f"{CORE}.a1_init=0.9", f"{CORE}.a2_init=0.9"],
     "shipped, seed 2": ["seed=2"],
+    "a1=0.75, seed 2": [f"{CORE}.a1_init=0.75", "seed=2"],
     "a1=0.9, seed 2": [f"{CORE}.a1_init=0.9", "seed=2"],
     "implicit, no cap": ["solver.backward=implicit", "solver.backward_tol=1e-3", "solver.backward_max_iter=20",
                          "model.iteration_cap.dist=none"],

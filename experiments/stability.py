@@ -44,6 +44,10 @@ def core_pieces(model, tokens):
     return core, x, cos, sin, subs
 
 
+def core_a1(core) -> float:
+    return float(torch.sigmoid(core.a1_logit))
+
+
 def rms(t: torch.Tensor) -> float:
     return float(t.pow(2).mean().sqrt())
 
@@ -57,12 +61,17 @@ def norms_at_init(loops: int, seed: int = 0) -> dict:
     model = fpscale.build_model(cfg).eval()
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=torch.Generator().manual_seed(seed))
     core, x, cos, sin, subs = core_pieces(model, tokens)
-    a1, b1, a2, b2 = core.scalings()
-    out = {"FPRM (a1 = a2 = 0.5)": [], "pre-norm": [], "post-norm": []}
-    s = torch.zeros_like(x)
-    for _ in range(loops):                                 # FPRM: the map fpscale iterates
-        s = core.one_pass(a2 * s + b2 * x, cos, sin, None)
-        out["FPRM (a1 = a2 = 0.5)"].append(rms(s))
+    out = {}
+    for a1_init in (core_a1(core), 0.5):                   # FPRM: the map fpscale iterates, two inits
+        core.a1_logit.fill_(math.log(a1_init / (1 - a1_init)))
+        a1, b1, a2, b2 = core.scalings()
+        key = f"FPRM (a1 = {float(a1):.2f}, a2 = {float(a2):.2f})"
+        out[key] = []
+        s = torch.zeros_like(x)
+        for _ in range(loops):
+            s = core.one_pass(a2 * s + b2 * x, cos, sin, None)
+            out[key].append(rms(s))
+    out["pre-norm"], out["post-norm"] = [], []
     z = x.clone()
     for _ in range(loops):
         for f in subs:
