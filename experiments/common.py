@@ -81,6 +81,10 @@ class Timer:
 
 
 # -- language: fpscale's Trainer in one process ------------------------------------------------
+# what --quick trains (seconds): a few steps of short sequences
+QUICK_LM = ["train.steps=3", "train.eval_interval=3", "train.eval_batches=1", "train.log_interval=3", "train.warmup=1",
+            "train.micro_batch=4", "train.global_batch=4", "data.seq_len=32"]
+
 LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spectral_norm", "temperature"],
                 "fpmamba": ["mixer", "mixer_rank", "negative_eigs", "d_state", "expand", "d_conv", "y_feedback"],
                 "looped": ["core_blocks", "a1_init", "a2_init", "conv"]}

@@ -119,7 +119,8 @@ def main():
                 r["by_k"][k] = {"acc": ev["last_acc"], "iters": (sorted(ev["iters"])[len(ev["iters"]) // 2]
                                                                  if ev["iters"] else 1)}
             r["entropy"] = entropy_by_iteration(model, name, SyntheticTask("induction", VOCAB, LENGTH, 60_000,
-                                                                           distractors=4), min(n_eval, 128), 40)
+                                                                           distractors=4), min(n_eval, 128),
+                                                8 if args.quick else 40)
             results["models"][name] = r
     rows = [[name, r["params"]] + [r["by_k"][k]["acc"] for k in ks] + [round(r["train_s"])]
             for name, r in results["models"].items()]

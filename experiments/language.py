@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import Timer, parse_args, plt, save, table, train_lm  # noqa: E402
+from experiments.common import QUICK_LM, Timer, parse_args, plt, save, table, train_lm  # noqa: E402
 
 STACKS = {     # name -> (config, overrides)
     "attn": ("tiny_attn", []),
@@ -41,8 +41,7 @@ def main():
     if args.stacks:
         want = [w.strip() for w in args.stacks.split(",")]
         names = [n for n in STACKS if n in want or SHORT.get(n) in want]
-    quick = ["train.steps=3", "train.eval_interval=3", "train.eval_batches=1", "train.log_interval=3", "train.warmup=1",
-             "train.micro_batch=4", "train.global_batch=4", "data.seq_len=32"] if args.quick else []
+    quick = QUICK_LM if args.quick else []
     depths = [1, 2] if args.quick else DEPTHS
     if args.quick:
         names = [n for n in names if n in ("attn", "looped")]

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from experiments.common import Timer, parse_args, plt, save, table, train_lm  # noqa: E402
+from experiments.common import QUICK_LM, Timer, parse_args, plt, save, table, train_lm  # noqa: E402
 
 CORE = "model.layers.1"
 BASE = [f"{CORE}.a1_init=0.5", f"{CORE}.a2_init=0.5"]      # the core's scalings before issue #17
@@ -62,11 +62,11 @@ def input_share(a1: float, a2: float, seed: int = 0) -> dict:
 def main():
     args = parse_args(__doc__, lambda p: p.add_argument("--only", default="", help="variant names separated by ;"))
     names = list(VARIANTS) if not args.only else [n.strip() for n in args.only.split(";")]
-    steps = ["train.steps=4", "train.eval_interval=4", "train.eval_batches=1", "train.log_interval=2",
-             "train.warmup=1"] if args.quick else []
+    steps = QUICK_LM if args.quick else []
     if args.quick:
-        names = names[:2]
-    init_rows = [input_share(a1, a2) for a1, a2 in ((0.5, 0.5), (0.75, 0.5), (0.9, 0.5), (0.9, 0.9))]
+        names = names[:1]
+    inits = ((0.5, 0.5),) if args.quick else ((0.5, 0.5), (0.75, 0.5), (0.9, 0.5), (0.9, 0.9))
+    init_rows = [input_share(a1, a2) for a1, a2 in inits]
     table(list(init_rows[0]), [list(r.values()) for r in init_rows], "at initialisation (tiny_looped)")
     runs = {}
     runs_dir = os.path.join(args.out, "runs")
