@@ -35,7 +35,7 @@ class LayerSpec:
     d_conv: int = 4
     y_feedback: bool = True
     core_blocks: int = 2
-    a1_init: float = 0.75        # seed 004 Table 1: 0.75 >= 0.5; experiments/README.md (issue #17)
+    a1_init: float = 0.5
     a2_init: float = 0.5
     conv: bool = False
 
