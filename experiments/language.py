@@ -5,7 +5,7 @@ per token, median solver iterations in validation, wall time; and, for every sta
 layer, validation perplexity against the evaluation depth (every looped layer capped at d
 iterations: test-time compute).
 
-    PYTHONPATH=. python experiments/language.py                       # all stacks (~45 min on 2 shared cores)
+    PYTHONPATH=. python experiments/language.py                       # all stacks (~48 min on 2 shared cores)
     PYTHONPATH=. python experiments/language.py --stacks attn,looped  # some of them
     PYTHONPATH=. python experiments/language.py --quick               # seconds: pipeline check
 
@@ -29,10 +29,10 @@ STACKS = {     # name -> (config, overrides)
     "mamba (mixer none, 1 iteration)": ("tiny_fpmamba", ["model.layers.0.mixer=none", "model.layers.0.y_feedback=false",
                                                           "solver.max_iter=1", "solver.eval_max_iter=1"]),
     "mixed": ("tiny_mixed", []),
-    "mixed, looped a1 = 0.5 (before #17)": ("tiny_mixed", ["model.layers.3.a1_init=0.5"]),
+    "mixed, looped a1 = 0.75": ("tiny_mixed", ["model.layers.3.a1_init=0.75"]),
 }
 DEPTHS = [1, 2, 4, 8, 16, 32]
-SHORT = {"mamba (mixer none, 1 iteration)": "mamba", "mixed, looped a1 = 0.5 (before #17)": "mixed_a05"}
+SHORT = {"mamba (mixer none, 1 iteration)": "mamba", "mixed, looped a1 = 0.75": "mixed_a075"}
 
 
 def main():
