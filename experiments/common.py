@@ -146,7 +146,7 @@ def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eva
              reuse: bool = False) -> dict:
     """Train ``configs/<config>.yaml`` with ``overrides`` through fpscale.train.Trainer (one
     process) and return {val_loss, val_ppl, layers, history, params, wall_s, flops...}, also kept in
-    ``out_dir/<name>.result.json``; with ``reuse`` a kept result of the same overrides is returned."""
+    ``out_dir/<name>.result.json``; with ``reuse`` a kept run of the same resolved config (:func:`run_key`) is returned."""
     import fpscale
     from fpscale.train.trainer import Trainer
     path = config if config.endswith(".yaml") else os.path.join(ROOT, "configs", f"{config}.yaml")
