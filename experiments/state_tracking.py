@@ -9,7 +9,7 @@ The claims tested: only the fixed-point model tracks the state at the training l
 (Figs. 2a, 4); its iteration count grows with the sequence length (Fig. 3c); and (Fig. 1) accuracy
 falls once the training cap (max_iter 2, 4, 8, 16) is below the training length.
 
-    PYTHONPATH=. python experiments/state_tracking.py             # full (S3, A5): ~15 min on 2 cores
+    PYTHONPATH=. python experiments/state_tracking.py             # full (S3, A5): 6.5 min idle (--threads 2), 18 min shared
     PYTHONPATH=. python experiments/state_tracking.py --quick     # seconds: pipeline check
 
 Scale-down (README): the paper trains 1.25M steps at batch 512 (640M sequences) with lr 1e-4; here
