@@ -107,8 +107,8 @@ class SyntheticTask:
         return self.task in ALIGNED_TASKS
 
     def fingerprint(self) -> str:
-        return (f"synthetic:{self.task}:v{self.vocab}:p{self.period}:l{self.min_len}-{self.max_len}"
-                f":k{self.distractors}")
+        base = f"synthetic:{self.task}:v{self.vocab}:p{self.period}"     # unchanged for the next-token tasks
+        return f"{base}:l{self.min_len}-{self.max_len}:k{self.distractors}" if self.aligned else base
 
     def _rng(self, index: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, int(index)])

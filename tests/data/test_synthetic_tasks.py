@@ -103,3 +103,4 @@ def test_next_token_tasks_unchanged():
     x, y = task.example(4)
     assert (x == s[:-1]).all() and (y == s[1:]).all()
     assert len(list(itertools.islice(iter(task.batch([0, 1])), 2))) == 2
+    assert task.fingerprint() == "synthetic:periodic:v16:p3"      # checkpoints of earlier runs still resume
