@@ -1,0 +1,157 @@
+"""Seed 000 (FPSA), Sec. 3.1 and Fig. 2, scaled down: randomised induction with distractors (RID).
+Each sequence holds a true pair (A, B) in its first half, K distractor pairs (A, D) with D != B after
+it, and ends with the query A, MASK; the model must output B at MASK. Models at d = 64, 4 heads:
+  FPSA 1 layer (fpscale's fpsa block, the tiny_fpsa solver settings)
+  attention 1 layer, attention 2 layers
+trained on K in {0..4} at length 64; tested on K = 0 .. 24 (Fig. 2b), and the mean attention entropy
+of the query position against the FPSA iteration (Fig. 2a; the attention layers' single pass beside it).
+
+    PYTHONPATH=. python experiments/induction.py            # full: ~12 min on 2 cores
+    PYTHONPATH=. python experiments/induction.py --quick    # seconds: pipeline check
+
+Scale-down (README): d 256 -> 64, FFN 1024 -> 171 (SwiGLU 8/3), length 32-256 -> 64, K <= 100 -> K <= 24,
+FPSA tolerance 1e-4 with 100 iterations -> the shipped 2e-2 with 20 in training and 40 in evaluation (the
+entropy probe iterates 40 times at tolerance 0).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table  # noqa: E402
+from fpscale.data.synthetic import SyntheticTask  # noqa: E402
+
+D, VOCAB, LENGTH = 64, 32, 64
+FPSA_SOLVER = {"max_iter": 20, "eval_max_iter": 40, "tol": 2e-2, "stop_quantile": 0.25, "patience": 5,
+               "decay": 0.7, "backward": "implicit", "backward_max_iter": 20, "backward_tol": 1e-3,
+               "freeze_converged": True}
+MODELS = {
+    "FPSA 1L": [{"type": "fpsa"}],
+    "attention 1L": [{"type": "attn"}],
+    "attention 2L": [{"type": "attn", "repeat": 2}],
+}
+TRAIN_K = [0, 1, 2, 3, 4]
+
+
+class MixedK:
+    """Training examples: sample i has K = TRAIN_K[i % 5] distractors (a pure function of (seed, i))."""
+
+    def __init__(self, seed: int):
+        self.tasks = [SyntheticTask("induction", VOCAB, LENGTH, seed, distractors=k) for k in TRAIN_K]
+
+    def examples(self, indices):
+        pairs = [self.tasks[i % len(self.tasks)].example(i) for i in indices]
+        return (torch.tensor([p[0].tolist() for p in pairs]), torch.tensor([p[1].tolist() for p in pairs]))
+
+
+class EntropyProbe:
+    """Wraps the causal attention that fpscale's layers call, recording the mean attention entropy
+    (nats, over heads and batch) of the last query position per call. Same output as SDPA."""
+
+    def __init__(self):
+        import fpscale.models.common as common
+        import fpscale.models.fpsa as fpsa
+        self.modules, self.orig, self.calls = (common, fpsa), common.causal_attention, []
+
+    def __enter__(self):
+        def recording(q, k, v, scale=None, dropout_p=0.0):
+            dh = q.shape[-1]
+            if isinstance(scale, torch.Tensor):
+                q, scale = q * scale.view(1, -1, 1, 1).to(q.dtype), 1.0
+            scale = dh ** -0.5 if scale is None else scale
+            s = (q @ k.transpose(-1, -2)) * scale
+            Tq, Tk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            last = p[:, :, -1]
+            self.calls.append(float(-(last * last.clamp_min(1e-30).log()).sum(-1).mean()))
+            return p @ v
+        for m in self.modules:
+            m.causal_attention = recording
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.causal_attention = self.orig
+
+
+@torch.no_grad()
+def entropy_by_iteration(model, name: str, task, n: int, iters: int) -> list[float]:
+    model.eval()
+    inputs, _ = task.examples(range(n))
+    if name.startswith("FPSA"):
+        import dataclasses
+        layer = next(iter(model.fixed_point_layers().values()))
+        saved = layer.solver
+        layer.solver = dataclasses.replace(saved, tol=0.0, freeze_converged=False)
+        with EntropyProbe() as probe, model.eval_depth(iters):
+            model(inputs)
+        layer.solver = saved
+        return probe.calls[:iters]
+    with EntropyProbe() as probe:
+        model(inputs)
+    return probe.calls[-1:]           # the last layer's single pass
+
+
+def main():
+    args = parse_args(__doc__)
+    steps, batch, n_eval = (3, 16, 32) if args.quick else (1500, 32, 512)
+    ks = [0, 4, 24] if args.quick else [0, 2, 4, 8, 12, 16, 24]
+    lr = 3e-3
+    from experiments.common import train_aligned
+    results = {"settings": {"d_model": D, "vocab": VOCAB, "length": LENGTH, "train_k": TRAIN_K, "steps": steps,
+                            "batch": batch, "lr": lr, "fpsa_solver": FPSA_SOLVER}, "models": {}}
+    with Timer() as total:
+        for name, layers in MODELS.items():
+            model, _ = small_model(VOCAB, D, layers, FPSA_SOLVER, max_seq_len=LENGTH, seed=0)
+            with Timer() as t:
+                curve = train_aligned(model, MixedK(seed=1), steps, batch, lr, warmup=min(100, steps // 4 + 1),
+                                      log_every=max(1, steps // 6), label=name)
+            r = {"params": model.num_params(), "train_s": t.s, "curve": curve, "by_k": {}}
+            for k in ks:
+                ev = eval_aligned(model, SyntheticTask("induction", VOCAB, LENGTH, 50_000 + k, distractors=k),
+                                  n_eval, batch=min(n_eval, 256))
+                r["by_k"][k] = {"acc": ev["last_acc"], "iters": (sorted(ev["iters"])[len(ev["iters"]) // 2]
+                                                                 if ev["iters"] else 1)}
+            r["entropy"] = entropy_by_iteration(model, name, SyntheticTask("induction", VOCAB, LENGTH, 60_000,
+                                                                           distractors=4), min(n_eval, 128),
+                                                8 if args.quick else 40)
+            results["models"][name] = r
+    rows = [[name, r["params"]] + [r["by_k"][k]["acc"] for k in ks] + [round(r["train_s"])]
+            for name, r in results["models"].items()]
+    text = table(["model", "params"] + [f"K={k}" for k in ks] + ["train s"], rows,
+                 f"RID accuracy against the number of distractors K (length {LENGTH}, trained on K <= 4; "
+                 f"chance ~{1 / (VOCAB - 1):.2f})")
+    fp = results["models"]["FPSA 1L"]
+    text += "\n" + table(["model"] + [f"K={k}" for k in ks], [["FPSA 1L"] + [fp["by_k"][k]["iters"] for k in ks]],
+                         "FPSA median evaluation iterations against K")
+    ent = fp["entropy"]
+    show = [i for i in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40) if i <= len(ent)]
+    text += "\n" + table(["model"] + [f"iter {i}" for i in show],
+                         [["FPSA 1L"] + [ent[i - 1] for i in show]] +
+                         [[n, results["models"][n]["entropy"][0]] + [""] * (len(show) - 1)
+                          for n in ("attention 1L", "attention 2L")],
+                         f"attention entropy of the query position (nats; uniform over {LENGTH} keys = "
+                         f"{math.log(LENGTH):.2f}), K = 4")
+    print(f"total wall {total.s:.0f} s", flush=True)
+    results["wall_s"] = total.s
+    fig = plt().figure(figsize=(9, 3.6))
+    ax = fig.add_subplot(121)
+    for name in ("attention 1L", "attention 2L"):
+        ax.axhline(results["models"][name]["entropy"][0], ls="--", label=name, color="C1" if "1L" in name else "C2")
+    ax.plot(range(1, len(ent) + 1), ent, marker=".", label="FPSA 1L", color="C0")
+    ax.set_xlabel("FPSA iteration"), ax.set_ylabel("attention entropy (nats)"), ax.legend(fontsize=7)
+    ax = fig.add_subplot(122)
+    for name, r in results["models"].items():
+        ax.plot(ks, [r["by_k"][k]["acc"] for k in ks], marker="o", label=name)
+    ax.set_xlabel("distractors K"), ax.set_ylabel("accuracy"), ax.set_ylim(0, 1.02), ax.legend(fontsize=7)
+    save(args, "induction", {**results, "table": text}, fig)
+
+
+if __name__ == "__main__":
+    main()

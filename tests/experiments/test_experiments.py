@@ -1,0 +1,26 @@
+"""Each experiment's --quick run, in process (seconds each): it checks the pipeline (training,
+evaluation, the table, the JSON and PNG), not the result."""
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task"]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_quick_run(name, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(f"experiments.{name}")
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", [name, "--quick", "--threads", str(threads), "--out", str(tmp_path)])
+    try:
+        module.main()
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| " in out                                      # a table on stdout
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["experiment"] == name and data["quick"] is True
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000
