@@ -26,6 +26,8 @@ def parse_args(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG")
     p.add_argument("--fresh", action="store_true", help="retrain runs whose results are kept in <out>/runs")
+    p.add_argument("--data", default=os.path.join(ROOT, "cache/corpus/tokens"),
+                   help="prepared token shards for the language runs (default: the bundled corpus)")
     if extra:
         extra(p)
     args = p.parse_args()
@@ -143,7 +145,7 @@ def depth_sweep_from_weights(cfg, weights: str, depths: Sequence[int]) -> list[d
 
 
 def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eval_depths: Sequence[int] = (),
-             reuse: bool = False) -> dict:
+             reuse: bool = False, data: str = os.path.join(ROOT, "cache/corpus/tokens")) -> dict:
     """Train ``configs/<config>.yaml`` with ``overrides`` through fpscale.train.Trainer (one
     process) and return {val_loss, val_ppl, layers, history, params, wall_s, flops...}, also kept in
     ``out_dir/<name>.result.json``; with ``reuse`` a kept run of the same resolved config (:func:`run_key`) is returned."""
@@ -151,7 +153,7 @@ def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eva
     from fpscale.train.trainer import Trainer
     path = config if config.endswith(".yaml") else os.path.join(ROOT, "configs", f"{config}.yaml")
     over = [f"name={name}", f"train.out_dir={out_dir}", "train.resume=none",
-            f"data.path={os.path.join(ROOT, 'cache/corpus/tokens')}", *overrides]
+            f"data.path={data}", *overrides]
     cfg = fpscale.load_config(path, over)
     key = run_key(cfg)
     if reuse:

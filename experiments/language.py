@@ -54,7 +54,8 @@ def main():
             print(f"== {name}: {config} {' '.join(over)}", flush=True)
             has_loop = name != "attn" and not name.startswith("mamba")
             results[name] = train_lm(config, over + quick, f"lang_{SHORT.get(name, name)}", runs_dir,
-                                     eval_depths=depths if has_loop else (), reuse=not (args.fresh or args.quick))
+                                     eval_depths=depths if has_loop else (), reuse=not (args.fresh or args.quick),
+                                     data=args.data)
     rows = []
     for name, r in results.items():
         iters = " ".join(f"{k.split('.')[-1]}{k.split('.')[1]}:{v['iters_median']:.0f}" for k, v in r["layers"].items())

@@ -74,7 +74,7 @@ def main():
         print(f"== {name}", flush=True)
         runs[name] = train_lm("tiny_looped", BASE + VARIANTS[name] + steps, "looped_" + name.replace(" ", "_")
                               .replace(",", "_").replace("=", ""), runs_dir,
-                              reuse=not (args.fresh or args.quick))
+                              reuse=not (args.fresh or args.quick), data=args.data)
     rows = []
     for name, r in runs.items():
         core = r["layers"].get("layers.1.looped", {})

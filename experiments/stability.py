@@ -149,14 +149,14 @@ def main():
     over = QUICK_LM if args.quick else [f"train.steps={steps}", f"train.eval_interval={steps}", "train.eval_batches=2",
                                         f"train.log_interval={steps // 5}"]
     with Timer() as t_train:
-        trained = train_lm("tiny_looped", over, "stability_core", runs)
+        trained = train_lm("tiny_looped", over, "stability_core", runs, data=args.data)
     import fpscale
     from fpscale.train.checkpoint import load_safetensors
     cfg = fpscale.load_config(CONFIG)
     model = fpscale.build_model(cfg)
     load_safetensors(model, os.path.join(runs, "stability_core", "final"))
     from fpscale.train.trainer import build_datasets
-    cfg.data.path = os.path.join(ROOT, "cache/corpus/tokens")
+    cfg.data.path = args.data
     _, val = build_datasets(cfg)
     tokens = val.batch(range(8))[:2, :33] if args.quick else val.batch(range(8))
     ks = list(range(1, 5 if args.quick else 9))

@@ -11,10 +11,11 @@ EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "indu
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_quick_run(name, tmp_path, monkeypatch, capsys):
+def test_quick_run(name, tmp_path, monkeypatch, capsys, prepared):
     module = importlib.import_module(f"experiments.{name}")
     threads = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", [name, "--quick", "--threads", str(threads), "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", [name, "--quick", "--threads", str(threads), "--out", str(tmp_path),
+                                      "--data", prepared + "/tokens"])
     try:
         module.main()
     finally:
