@@ -263,3 +263,11 @@ def eval_aligned(model, task, n: int, batch: int = 128, depth: int | None = None
                 iters.append(max(s.iterations for s in stats.values()))
     model.train()
     return {"token_acc": right / max(total, 1), "last_acc": last_right / n, "iters": iters}
+
+
+def plot_val_curves(ax, runs: dict[str, dict], fontsize: int = 7) -> None:
+    """Validation loss against the step of every ``train_lm`` result in ``runs``, one line each."""
+    for name, r in runs.items():
+        steps, losses = zip(*r["val_curve"])
+        ax.plot(steps, losses, marker="o", label=name)
+    ax.set_xlabel("step"), ax.set_ylabel("validation loss"), ax.legend(fontsize=fontsize)

@@ -19,7 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import QUICK_LM, Timer, parse_args, plt, save, table, train_lm  # noqa: E402
+from experiments.common import (QUICK_LM, Timer, parse_args, plot_val_curves, plt, save,  # noqa: E402
+                                table, train_lm)
 
 STACKS = {     # name -> (config, overrides)
     "attn": ("tiny_attn", []),
@@ -76,10 +77,7 @@ def main():
     print(f"total wall {total.s:.0f} s (kept runs reused: their own wall times are in the table)", flush=True)
     fig = plt().figure(figsize=(9, 3.6))
     ax = fig.add_subplot(121)
-    for name, r in results.items():
-        s, l = zip(*r["val_curve"])
-        ax.plot(s, l, marker="o", label=name)
-    ax.set_xlabel("step"), ax.set_ylabel("validation loss"), ax.legend(fontsize=6)
+    plot_val_curves(ax, results, fontsize=6)
     ax = fig.add_subplot(122)
     for name, r in results.items():
         if r.get("depths"):

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from experiments.common import QUICK_LM, Timer, parse_args, plt, save, table, train_lm  # noqa: E402
+from experiments.common import (QUICK_LM, Timer, parse_args, plot_val_curves, plt, save,  # noqa: E402
+                                table, train_lm)
 
 CORE = "model.layers.1"
 BASE = [f"{CORE}.a1_init=0.5", f"{CORE}.a2_init=0.5"]      # the core's scalings before issue #17
@@ -87,10 +88,7 @@ def main():
                   "a1 end", "a2 end", "wall s"], rows, "tiny_looped recipe ablation (one process)")
     fig = plt().figure(figsize=(7, 4))
     ax = fig.add_subplot(111)
-    for name, r in runs.items():
-        s, l = zip(*r["val_curve"])
-        ax.plot(s, l, marker="o", label=name)
-    ax.set_xlabel("step"), ax.set_ylabel("validation loss"), ax.legend(fontsize=7)
+    plot_val_curves(ax, runs)
     ax.set_title("tiny_looped: recipe ablation")
     save(args, "looped_recipe", {"init": init_rows, "runs": runs, "table": text}, fig)
 
