@@ -131,17 +131,16 @@ def depth_sweep(trainer, depths: Sequence[int]) -> list[dict]:
 
 def depth_sweep_from_weights(cfg, weights: str, depths: Sequence[int]) -> list[dict]:
     """The depth sweep of a finished run, from its exported weights (runs/<name>/final)."""
-    from types import SimpleNamespace
     import fpscale
     from fpscale.eval.validate import validate_depths
+    from fpscale.parallel.state import ParallelState
     from fpscale.train.checkpoint import load_safetensors
     from fpscale.train.trainer import build_datasets
     model = fpscale.build_model(cfg)
     load_safetensors(model, weights)
     _, val = build_datasets(cfg)
-    state = SimpleNamespace(dp_rank=0, dp_size=1, device=torch.device("cpu"), distributed=False, is_main=True)
     t = cfg.train
-    return validate_depths(model, model, val, t.micro_batch, t.eval_batches, list(depths), state)
+    return validate_depths(model, model, val, t.micro_batch, t.eval_batches, list(depths), ParallelState())
 
 
 def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eval_depths: Sequence[int] = (),
