@@ -88,6 +88,7 @@ def worker(args) -> None:
                           "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
                           "param_bytes": 4 * params, "tp_message_bytes": per_micro * trainer.grad_accum,
                           "traffic_bytes_per_step": traffic, "logged_bytes_per_step": logged}), flush=True)
+    trainer.close()
 
 
 def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, timeout: float, tp: int = 1) -> dict:

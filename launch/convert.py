@@ -44,8 +44,8 @@ def main(argv=None) -> int:
             from fpscale.train.trainer import Trainer
             cfg = fpscale.load_config(os.path.join(args.weights, "config.yaml"), [
                 f"name={args.name}", f"train.init_weights={args.weights}", "train.resume=none", *args.overrides])
-            trainer = Trainer(cfg, log=False)
-            trainer.save_checkpoint()
+            with Trainer(cfg, log=False) as trainer:
+                trainer.save_checkpoint()
             return 0
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -77,10 +77,7 @@ def main(argv=None) -> int:
         if depths:
             print("depth sweep (loss, perplexity, mean solver iterations of each looped layer):")
             print("\n".join(depth_table(report["depths"])))
-    if state.distributed:        # leave together: a rank that exits while rank 0 still writes aborts in gloo
-        import torch.distributed as dist
-        dist.barrier()
-        dist.destroy_process_group()
+    state.close()           # leave together: a rank that exits while rank 0 still writes aborts in gloo
     return 0
 
 

@@ -49,10 +49,8 @@ def main(argv=None) -> int:
         print(f"model: {trainer.model.num_params():,} parameters, layers {trainer.model.layer_types}; "
               f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "
               f"{cfg.parallel.zero_stage if trainer.state.distributed else '-'})", flush=True)
-    trainer.train()
-    if trainer.state.distributed:          # leave NCCL / gloo cleanly (no "process group not destroyed")
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    with trainer:                          # leaves NCCL / gloo together and cleanly
+        trainer.train()
     return EXIT_PREEMPTED if trainer.preempted else 0
 
 

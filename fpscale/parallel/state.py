@@ -37,6 +37,17 @@ class ParallelState:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Leave together and destroy every process group; every rank calls it at the end of a
+        distributed run. A rank that exits while a peer still talks to it, or a group left to the
+        interpreter's exit, can abort in gloo ("terminate called without an active exception")
+        after the work is done. ``wait_for_peers=False`` skips the barrier (leaving on an error)."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        if wait_for_peers:
+            dist.barrier(group=self.host_group)
+        dist.destroy_process_group()
+
     # -- the model-parallel unit deepspeed.initialize(mpu=...) expects ------------------------
     def get_model_parallel_rank(self):
         return self.tp_rank

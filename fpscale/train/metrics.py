@@ -70,7 +70,8 @@ class MetricsWriter:
               f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}", flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        """Flush and close; closing again does nothing."""
+        if self.enabled and not self.file.closed:
             self.file.close()
             self.tb.close()
 

@@ -88,11 +88,20 @@ def deepspeed_config(cfg: Config, plan: BatchPlan, load_universal: bool = False)
 
 
 class Trainer:
+    """One training run. Use it as a context manager (or call ``close``): on leaving, the metrics
+    are flushed and, when the trainer initialised torch.distributed itself, the process groups
+    are destroyed.
+
+        with Trainer(cfg) as trainer:
+            trainer.train()
+    """
+
     def __init__(self, cfg: Config, log: bool = True, state: ParallelState | None = None,
                  deepspeed_overrides: dict | None = None):
         """``deepspeed_overrides`` are merged into the DeepSpeed config (e.g. its comms logger)."""
         self.cfg = cfg
         t = cfg.train
+        self.owns_state = state is None
         self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
         self.batch = resolve_batch(t, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
@@ -137,6 +146,17 @@ class Trainer:
         if log:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        self.metrics.close()
+        if self.owns_state:
+            self.state.close(wait_for_peers)
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait_for_peers=exc_type is None)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _prepare_resume(self) -> bool:

@@ -61,6 +61,7 @@ def run(checked):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size,
                    "replicated": replicated, "checked_collectives": dict(checked)}, fh)
+    trainer.close()
 
 
 if __name__ == "__main__":

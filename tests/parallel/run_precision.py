@@ -32,6 +32,7 @@ def main():
                            for mode in ("eval", "train")}}
     with open(os.path.join(out, f"rank{trainer.state.rank}.json"), "w") as fh:
         json.dump(report, fh)
+    trainer.close()
 
 
 if __name__ == "__main__":
