@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import print_table, write_json  # noqa: E402
 
-from fpscale.models import LayerSpec, ModelConfig  # noqa: E402
+from fpscale.models import ModelConfig, layer_spec  # noqa: E402
 from fpscale.models.lm import LoopedLM  # noqa: E402
 from fpscale.profiling import count_saved_bytes  # noqa: E402
 from fpscale.solvers import SolverConfig  # noqa: E402
@@ -44,7 +44,7 @@ SPECS = {
 
 
 def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dtype=torch.float32):
-    cfg = ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[LayerSpec(**SPECS[kind])])
+    cfg = ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[layer_spec(**SPECS[kind])])
     torch.manual_seed(0)
     return LoopedLM(cfg, solver).layers[0].to(dtype)
 

@@ -57,9 +57,8 @@ class Config:
     def _check_solvers(self, micro_batch: int) -> None:
         warnings: dict[str, str] = {}            # one per key, however many layers share it
         for i, spec in enumerate(self.model.layers):
-            # every layer's solver overrides must form a valid solver config
-            solver = self.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
-            if spec.type != "attn":
+            if spec.looped:      # its solver overrides must form a valid solver config
+                solver = self.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
                 warnings.update(self._check_solver(i, spec.solver, solver, micro_batch))
         for key, message in warnings.items():
             warn(key, message)

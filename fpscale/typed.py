@@ -3,6 +3,8 @@ overrides, and turn them back into dicts.
 
 Every dataclass used as a config section may define ``validate(self, prefix: str)``; it is
 called after the section is built and raises :class:`fpscale.errors.ConfigError` naming the key.
+A dataclass annotation may stand for a tagged union: a classmethod ``select(data, key)`` returns
+the dataclass to build from ``data`` (``model.layers`` entries pick their layer type's class).
 Nothing here knows about any particular section.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
+        select = getattr(tp, "select", None)
+        return from_dict(select(value, key) if select is not None else tp, value, key)
     if tp is Any:
         return value
     if tp is bool:

@@ -46,10 +46,21 @@ def test_125m_recipes_compare_at_equal_parameters():
 def test_model_config_errors_name_the_key():
     with pytest.raises(fpscale.ConfigError, match=r"model.n_heads': must divide d_model: 100 % 3"):
         fpscale.load_config(None, ["model.d_model=100", "model.n_heads=3"])
-    with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.type': must be one of"):
+    with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.type': unknown layer type 'mlp'; registered "
+                                                  r"types: attn, fpsa, fpmamba, looped"):
         fpscale.load_config(None, ["model.layers.0.type=mlp"])
     with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.solver.max_iter': must be >= 1"):
-        fpscale.load_config(None, ["model.layers.0.solver.max_iter=0"])
+        fpscale.load_config(None, ["model.layers=[{type: fpsa}]", "model.layers.0.solver.max_iter=0"])
+
+
+@pytest.mark.parametrize("entry, key", [("{type: attn, mixer: dplr}", "mixer"),      # fpmamba's key on attn
+                                        ("{type: attn, solver: {tol: 0.1}}", "solver"),   # attn has no solver
+                                        ("{type: fpsa, core_blocks: 2}", "core_blocks"),
+                                        ("{type: looped, spectral_norm: false}", "spectral_norm")])
+def test_a_key_of_another_layer_type_is_refused(entry, key):
+    """Each layer type is its own config section: a key that belongs to another type names itself."""
+    with pytest.raises(fpscale.ConfigError, match=rf"model.layers.0.{key}': unknown key for \w+Spec"):
+        fpscale.load_config(None, [f"model.layers=[{entry}]"])
     with pytest.raises(fpscale.ConfigError, match=r"data.seq_len': must not exceed model.max_seq_len"):
         fpscale.load_config(None, ["data.seq_len=4096"])
     with pytest.raises(fpscale.ConfigError, match=r"train.global_batch': must be micro_batch x grad_accum"):

@@ -1,10 +1,35 @@
 """``attn``: the baseline pre-norm block, causal multi-head attention with RoPE + SwiGLU MLP."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import MLP, RMSNorm, Unsharded, init_linear, rope_span, self_attention
+from fpscale.models.common import (MLP, RMSNorm, TPSplit, Unsharded, attention_flops, init_linear, mlp_flops,
+                                   rope_span, self_attention, swiglu_hidden)
+from fpscale.models.registry import LayerSpec
+
+
+def heads_and_mlp(cfg) -> list[tuple[str, int]]:
+    """What tensor parallelism splits in an attention + MLP block: heads and hidden units."""
+    return [("model.n_heads", cfg.n_heads), ("the SwiGLU hidden size", swiglu_hidden(cfg.d_model, cfg.mlp_ratio))]
+
+
+@dataclass
+class AttnSpec(LayerSpec):
+    """``attn``: one pass of attention + MLP (no fields of its own)."""
+
+    type: str = "attn"
+
+    def build(self, cfg, solver=None) -> torch.nn.Module:
+        return AttnBlock(cfg, self)
+
+    def tp_divisors(self, cfg) -> list[tuple[str, int]]:
+        return heads_and_mlp(cfg)
+
+    def flops(self, cfg, seq_len: int) -> tuple[float, float]:
+        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, swiglu_hidden(cfg.d_model, cfg.mlp_ratio)), 0.0
 
 
 class Attention(torch.nn.Module):
@@ -20,6 +45,9 @@ class Attention(torch.nn.Module):
         init_linear(self.w_qkv, init_std)
         init_linear(self.w_o, out_std)
         self.shards = Unsharded()           # tensor parallelism: this shard's heads
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        return {"w_qkv": TPSplit(0, parts=3), "w_o": TPSplit(1)}     # [q; k; v], each split by heads
 
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)

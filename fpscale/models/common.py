@@ -7,9 +7,30 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class TPSplit(NamedTuple):
+    """How tensor parallelism splits one weight of a module (its ``tp_plan``): along ``dim`` into
+    ``parallel.tp`` equal shards. ``parts`` > 1 means the tensor is that many equal sub-tensors
+    along ``dim`` (fused q/k/v: 3), each split on its own, so shard r holds the r-th slice of
+    every part. fpscale.parallel.parallelize applies the plans; the model code only declares them."""
+    dim: int
+    parts: int = 1
+
+
+def attention_flops(d_model: int, seq_len: int) -> float:
+    """Forward matmul FLOPs per token of a causal attention sublayer: q/k/v and output
+    projections, scores and values over T/2 keys on average."""
+    return 2 * 3 * d_model * d_model + 2 * d_model * d_model + 2 * 2 * (seq_len / 2) * d_model
+
+
+def mlp_flops(d_model: int, hidden: int) -> float:
+    """Forward matmul FLOPs per token of a SwiGLU MLP (gate, up, down)."""
+    return 2 * 3 * d_model * hidden
 
 
 def load_flash_attn():
@@ -242,5 +263,24 @@ class MLP(torch.nn.Module):
         init_linear(self.w_down, out_std)
         self.shards = Unsharded()           # tensor parallelism: this shard's hidden units
 
+    def tp_plan(self) -> dict[str, TPSplit]:
+        return {"w_gate": TPSplit(0), "w_up": TPSplit(0), "w_down": TPSplit(1)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shards.exit(swiglu(self.shards.enter(x), self.w_gate, self.w_up, self.w_down))
+
+
+class LMHead(torch.nn.Module):
+    """Logits over the whole vocabulary from the final hidden states and the output weight (the
+    tied embedding or the untied head; it holds no parameter itself), and their cross-entropy
+    with the softmax in at least float32. fpscale.parallel swaps in the vocabulary-parallel head."""
+
+    sharded_logits = False       # True where each rank holds a vocabulary slice of the logits
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.dtype in (torch.float16, torch.bfloat16):      # the softmax in fp32, never below
+            logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -1,58 +1,25 @@
-"""Model configuration: a decoder LM assembled from a list of layer specs."""
+"""Model configuration: a decoder LM assembled from a list of layer specs.
+
+Each entry of ``model.layers`` is the config section of its layer type (fpscale.models.registry);
+the built-in types register here, one line each.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from fpscale.errors import check
+from fpscale.models.attn import AttnSpec
+from fpscale.models.fpmamba import FPMambaSpec
+from fpscale.models.fpsa import FPSASpec
+from fpscale.models.looped import LoopedCoreSpec
+from fpscale.models.registry import LayerSpec, register_layer
 
-LayerType = Literal["attn", "fpsa", "fpmamba", "looped"]
-
-
-@dataclass
-class LayerSpec:
-    """One entry of ``model.layers``; ``repeat`` copies it (each copy has its own weights).
-
-    solver      overrides of the top-level ``solver`` section for this layer (looped types)
-    fpsa        spectral_norm (W_Q, W_K), temperature (learnable per-head softmax temperature)
-    fpmamba     mixer (householder | dplr | kronecker | none), mixer_rank, negative_eigs
-                (Householder a_i in (0, 2): negative eigenvalues, no contraction guarantee),
-                d_state, expand, d_conv, y_feedback (B, C, Delta, Q see y_{t-1} of the last iterate),
-                mlp (a SwiGLU sublayer after the mixer, outside the fixed-point loop: seed 002's
-                FineWeb blocks, mamba_ssm's Block with a GatedMLP)
-    looped      core_blocks (attention + MLP blocks in the core: 2x sublayers), a1_init, a2_init,
-                conv (causal depthwise conv branch on the re-injected input)
-    """
-
-    type: LayerType
-    repeat: int = 1
-    solver: dict[str, Any] = field(default_factory=dict)
-    spectral_norm: bool = True
-    temperature: bool = True
-    mixer: Literal["householder", "dplr", "kronecker", "none"] = "householder"
-    mixer_rank: int = 2
-    negative_eigs: bool = False
-    d_state: int = 16
-    expand: int = 2
-    d_conv: int = 4
-    y_feedback: bool = True
-    mlp: bool = False
-    core_blocks: int = 2
-    a1_init: float = 0.5
-    a2_init: float = 0.5
-    conv: bool = False
-
-    def validate(self, prefix: str = "") -> None:
-        check(self.repeat >= 1, f"{prefix}.repeat", f"must be >= 1, got {self.repeat}")
-        check(self.mixer_rank >= 1, f"{prefix}.mixer_rank", f"must be >= 1, got {self.mixer_rank}")
-        check(self.d_state >= 1, f"{prefix}.d_state", f"must be >= 1, got {self.d_state}")
-        check(self.expand >= 1, f"{prefix}.expand", f"must be >= 1, got {self.expand}")
-        check(self.d_conv >= 1, f"{prefix}.d_conv", f"must be >= 1, got {self.d_conv}")
-        check(self.core_blocks >= 1, f"{prefix}.core_blocks", f"must be >= 1, got {self.core_blocks}")
-        for name in ("a1_init", "a2_init"):
-            value = getattr(self, name)
-            check(0.0 < value < 1.0, f"{prefix}.{name}", f"must lie in (0, 1), got {value}")
-
+# the built-in layer types: a new type is one file (its spec, block, split rules, FLOPs) + one line
+register_layer(AttnSpec)
+register_layer(FPSASpec)
+register_layer(FPMambaSpec)
+register_layer(LoopedCoreSpec)
 
 @dataclass
 class IterationCap:
@@ -83,7 +50,7 @@ class ModelConfig:
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
     # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
-    layers: list[LayerSpec] = field(default_factory=lambda: [LayerSpec(type="attn", repeat=2)])
+    layers: list[LayerSpec] = field(default_factory=lambda: [AttnSpec(repeat=2)])
     iteration_cap: IterationCap = field(default_factory=IterationCap)
 
     def validate(self, prefix: str = "model") -> None:
@@ -101,11 +68,7 @@ class ModelConfig:
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")
         for i, spec in enumerate(self.layers):
-            if spec.type == "fpmamba" and spec.mixer == "kronecker":
-                d_inner = spec.expand * self.d_model
-                d1 = kronecker_factors(d_inner)[0]
-                check(d1 > 1, f"{prefix}.layers.{i}.mixer",
-                      f"kronecker needs d_inner = {d_inner} to factor as d1*d2 with d1 > 1")
+            spec.validate_in(self, f"{prefix}.layers.{i}")
 
     def expanded_layers(self) -> list[LayerSpec]:
         return [spec for spec in self.layers for _ in range(spec.repeat)]
@@ -115,10 +78,3 @@ class ModelConfig:
         the number of residual sublayers; by default two per layer of the model)."""
         return self.init_std / (sublayers or 2 * len(self.expanded_layers())) ** 0.5
 
-
-def kronecker_factors(n: int) -> tuple[int, int]:
-    """The most balanced n = d1 * d2 with d1 <= d2."""
-    d1 = int(n ** 0.5)
-    while d1 > 1 and n % d1:
-        d1 -= 1
-    return d1, n // d1

@@ -19,14 +19,67 @@ a bf16 u - y leaves a 5-50% error in x~ and the solve never settles below a resi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import MLP, RMSNorm, causal_conv, init_linear, linear, wide
+from fpscale.errors import check
+from fpscale.models.attn import heads_and_mlp
+from fpscale.models.common import MLP, RMSNorm, TPSplit, causal_conv, init_linear, linear, mlp_flops, swiglu_hidden, wide
 from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.mixers import apply_mixer, make_mixer_params
+from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops
+from fpscale.models.registry import FixedPointSpec
 from fpscale.models.scan import scan
+
+
+@dataclass
+class FPMambaSpec(FixedPointSpec):
+    """``fpmamba``: mixer (householder | dplr | kronecker | none) and mixer_rank; negative_eigs
+    (Householder a_i in (0, 2): negative eigenvalues, no contraction guarantee); d_state, expand,
+    d_conv; y_feedback (B, C, Delta, Q see y_{t-1} of the last iterate); mlp (a SwiGLU sublayer
+    after the mixer, outside the fixed-point loop: seed 002's FineWeb blocks, mamba_ssm's Block
+    with a GatedMLP)."""
+
+    type: str = "fpmamba"
+    mixer: Literal["householder", "dplr", "kronecker", "none"] = "householder"
+    mixer_rank: int = 2
+    negative_eigs: bool = False
+    d_state: int = 16
+    expand: int = 2
+    d_conv: int = 4
+    y_feedback: bool = True
+    mlp: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        for name in ("mixer_rank", "d_state", "expand", "d_conv"):
+            value = getattr(self, name)
+            check(value >= 1, f"{prefix}.{name}", f"must be >= 1, got {value}")
+
+    def validate_in(self, cfg, prefix: str) -> None:
+        if self.mixer == "kronecker":
+            d_inner = self.expand * cfg.d_model
+            check(kronecker_factors(d_inner)[0] > 1, f"{prefix}.mixer",
+                  f"kronecker needs d_inner = {d_inner} to factor as d1*d2 with d1 > 1")
+
+    def build(self, cfg, solver) -> torch.nn.Module:
+        return FPMambaBlock(cfg, self, solver)
+
+    def tp_divisors(self, cfg) -> list[tuple[str, int]]:
+        split = [(f"d_inner (expand {self.expand} x d_model {cfg.d_model})", self.expand * cfg.d_model)]
+        return split + (heads_and_mlp(cfg)[1:] if self.mlp else [])
+
+    def flops(self, cfg, seq_len: int) -> tuple[float, float]:
+        d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state
+        dt_rank = -(-d // 16)
+        feeds = 2 if self.y_feedback else 1
+        per_iter = (mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
+                    + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di
+                    + 2 * 4 * di * N)                       # scan update and C^T h
+        mlp = mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)) if self.mlp else 0.0
+        return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp, per_iter
 
 
 class FPMambaMixer(FixedPointLayer):
@@ -57,6 +110,23 @@ class FPMambaMixer(FixedPointLayer):
         init_linear(self.w_out, out_std)
         for name, p in make_mixer_params(spec.mixer, di, spec.mixer_rank, spec.y_feedback, init_std).items():
             self.register_parameter(name, p)
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        """By d_inner channels: in-projection rows ([x; gate] channels), conv / dt / A / D / output
+        norm per channel, x/y-projections and W_out by columns (partial sums); the Householder /
+        DPLR u-vectors by rows of each u_i, their w . x by columns. Kronecker factors mix every
+        channel with every other: the mixer gathers, and its parameters stay whole."""
+        plan = {"w_in": TPSplit(0, parts=2)}
+        plan.update({name: TPSplit(0) for name in ("conv_w", "conv_b", "dt_proj", "dt_bias", "A_log", "D",
+                                                    "out_norm_w")})
+        plan.update({name: TPSplit(1) for name in ("x_proj", "y_proj", "w_out") if getattr(self, name) is not None})
+        if self.mixer in ("householder", "dplr"):
+            for name, p in self.mixer_params().items():
+                if name.startswith("mix_u_"):                      # [rank * di, di]
+                    plan[name] = TPSplit(0, parts=p.shape[0] // self.d_inner)
+                elif name.startswith("mix_a_") and p.dim() == 2:   # [rank, di]: w . x summed over shards
+                    plan[name] = TPSplit(1)
+        return plan
 
     def mixer_params(self) -> dict:
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}

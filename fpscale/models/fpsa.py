@@ -22,13 +22,38 @@ past tokens contribute their converged K and static V, and only new tokens are i
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.attn import AttnBlock
-from fpscale.models.common import (apply_rope, causal_attention, init_linear, linear, merge_heads, rms_norm,
-                                   rope_span, spectral_normalize, split_heads)
+from fpscale.models.attn import AttnBlock, heads_and_mlp
+from fpscale.models.common import (TPSplit, apply_rope, causal_attention, init_linear, linear, merge_heads,
+                                   mlp_flops, rms_norm, rope_span, spectral_normalize, split_heads,
+                                   swiglu_hidden)
 from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.models.registry import FixedPointSpec
+
+
+@dataclass
+class FPSASpec(FixedPointSpec):
+    """``fpsa``: spectral_norm divides W_Q, W_K by their largest singular value (a power
+    iteration per step); temperature learns a softmax temperature per head."""
+
+    type: str = "fpsa"
+    spectral_norm: bool = True
+    temperature: bool = True
+
+    def build(self, cfg, solver) -> torch.nn.Module:
+        return FPSABlock(cfg, self, solver)
+
+    def tp_divisors(self, cfg) -> list[tuple[str, int]]:
+        return heads_and_mlp(cfg)
+
+    def flops(self, cfg, seq_len: int) -> tuple[float, float]:
+        d = cfg.d_model            # V and the MLP once; Q, K, scores / values and W_O per iteration
+        static = 2 * d * d + mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio))
+        return static, 2 * 3 * d * d + 2 * 2 * (seq_len / 2) * d
 
 
 class FPSAttention(FixedPointLayer):
@@ -52,6 +77,14 @@ class FPSAttention(FixedPointLayer):
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_q", F.normalize(torch.randn(d_model, generator=g), dim=0))
         self.register_buffer("u_k", F.normalize(torch.randn(d_model, generator=g), dim=0))
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        """Rows are heads (the power-iteration vectors u_q, u_k too); W_O by columns."""
+        plan = {name: TPSplit(0) for name in ("w_q", "w_k", "w_v", "u_q", "u_k")}
+        plan["w_o"] = TPSplit(1)
+        if self.log_temp is not None:
+            plan["log_temp"] = TPSplit(0)
+        return plan
 
     def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_Q, W_K divided by their largest singular values. The power iteration advances in

@@ -11,16 +11,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
-from fpscale.models.attn import AttnBlock
 from fpscale.models.caps import draw_cap
-from fpscale.models.common import RMSNorm
+from fpscale.models.common import LMHead, RMSNorm
 from fpscale.models.config import ModelConfig
 from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.fpmamba import FPMambaBlock
-from fpscale.models.fpsa import FPSABlock
-from fpscale.models.looped import LoopedCore
 from fpscale.solvers import SolverConfig, SolverStats
 
 
@@ -31,14 +26,14 @@ class LoopedLM(torch.nn.Module):
         solver = solver or SolverConfig()
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
         torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
-        blocks = {"attn": AttnBlock, "fpsa": FPSABlock, "fpmamba": FPMambaBlock, "looped": LoopedCore}
         layers = []
-        for i, spec in enumerate(cfg.layers):
-            layer_cfg = None if spec.type == "attn" else solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
-            layers += [blocks[spec.type](cfg, spec, layer_cfg) for _ in range(spec.repeat)]
+        for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.models.registry)
+            layer_solver = solver.with_overrides(spec.solver, f"model.layers.{i}.solver") if spec.looped else None
+            layers += [spec.build(cfg, layer_solver) for _ in range(spec.repeat)]
         self.layers = torch.nn.ModuleList(layers)
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = LMHead()                  # logits and loss; fpscale.parallel swaps in the vocab-parallel one
         self.lm_head = None
         if not cfg.tie_embeddings:
             self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
@@ -67,12 +62,15 @@ class LoopedLM(torch.nn.Module):
         return self.cross_entropy(logits, targets)
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.head_weight())
+        return self.head(h, self.head_weight())
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if logits.dtype in (torch.float16, torch.bfloat16):      # the softmax in fp32, never below
-            logits = logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return self.head.loss(logits, targets)
+
+    @property
+    def sharded_logits(self) -> bool:
+        """True under tensor parallelism: each rank's logits are a vocabulary slice."""
+        return self.head.sharded_logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self(tokens, targets=targets)

@@ -13,12 +13,46 @@ the converged K/V of past tokens for every attention sublayer of the core.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from fpscale.models.common import (causal_conv, init_linear, rms_norm, rope_span, self_attention, swiglu,
-                                   swiglu_hidden, wide)
+from fpscale.errors import check
+from fpscale.models.attn import heads_and_mlp
+from fpscale.models.common import (TPSplit, attention_flops, causal_conv, init_linear, mlp_flops, rms_norm,
+                                   rope_span, self_attention, swiglu, swiglu_hidden, wide)
 from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.models.registry import FixedPointSpec
+
+
+@dataclass
+class LoopedCoreSpec(FixedPointSpec):
+    """``looped``: core_blocks attention + MLP blocks (2 x core_blocks sublayers) iterated as a
+    whole; a1_init, a2_init the initial residual scalings in (0, 1); conv a causal depthwise
+    conv branch on the re-injected input."""
+
+    type: str = "looped"
+    core_blocks: int = 2
+    a1_init: float = 0.5
+    a2_init: float = 0.5
+    conv: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(self.core_blocks >= 1, f"{prefix}.core_blocks", f"must be >= 1, got {self.core_blocks}")
+        for name in ("a1_init", "a2_init"):
+            value = getattr(self, name)
+            check(0.0 < value < 1.0, f"{prefix}.{name}", f"must lie in (0, 1), got {value}")
+
+    def build(self, cfg, solver) -> torch.nn.Module:
+        return LoopedCore(cfg, self, solver)
+
+    def tp_divisors(self, cfg) -> list[tuple[str, int]]:
+        return heads_and_mlp(cfg)
+
+    def flops(self, cfg, seq_len: int) -> tuple[float, float]:
+        d = cfg.d_model                   # the whole core per iteration
+        return 0.0, self.core_blocks * (attention_flops(d, seq_len) + mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)))
 
 
 def _logit(p: float) -> float:
@@ -46,6 +80,12 @@ class LoopedCore(FixedPointLayer):
         self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))   # [1]: DeepSpeed cannot broadcast 0-dim
         self.a2_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a2_init)]))
         self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, 4)) if spec.conv else None
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        """Per stacked sublayer (dim 0 is the sublayer): heads and MLP hidden units; the norms,
+        a1, a2 and the conv stay whole."""
+        return {"w_qkv": TPSplit(1, parts=3), "w_o": TPSplit(2), "w_gate": TPSplit(1), "w_up": TPSplit(1),
+                "w_down": TPSplit(2)}
 
     def scalings(self) -> tuple[torch.Tensor, ...]:
         """(a1, b1, a2, b2) with L = 2 * core_blocks sublayers, in at least float32 (the residual

@@ -31,13 +31,31 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.models.common import Unsharded, linear, wide
-from fpscale.models.config import kronecker_factors
 
 # a_i = sigmoid(-2) ~ 0.12 at initialisation: Q starts near I, so the feedback of the previous
 # iterate into x~ = Q(x - y) + y starts weak (a contraction) and training can strengthen it.
 MIX_BIAS_INIT = -2.0
 # sigmoid(15) = 1 - 3e-7 < 1 in float32: a saturated coefficient stays inside its open range
 A_LOGIT_MAX = 15.0
+
+
+def kronecker_factors(n: int) -> tuple[int, int]:
+    """The most balanced n = d1 * d2 with d1 <= d2."""
+    d1 = int(n ** 0.5)
+    while d1 > 1 and n % d1:
+        d1 -= 1
+    return d1, n // d1
+
+
+def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> float:
+    """Forward FLOPs per token of one application of the mixer (its projections and Q v)."""
+    feeds, di = (2 if y_feedback else 1), d_inner
+    if kind in ("householder", "dplr"):            # u_i projections + application
+        return feeds * 2 * rank * di * di + 4 * rank * di
+    if kind == "kronecker":                        # K1, K2 projections, M M^T, 4 squarings, K1 V K2^T
+        d1, d2 = kronecker_factors(di)
+        return feeds * 2 * di * (d1 * d1 + d2 * d2) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
+    return 0.0
 
 
 def coefficient_scale(kind: str, rank: int, negative_eigs: bool) -> float:

@@ -4,6 +4,7 @@
     row_parallel_linear      W split by input columns: y = sum_ranks x_local W_local^T
     vocab_parallel_embedding the table split by vocabulary rows; the ranks' lookups are summed
     vocab_parallel_cross_entropy  CE over vocabulary-sharded logits; full logits never gathered
+    VocabParallelEmbedding, VocabParallelLMHead   the modules parallelize swaps into the model
     shard / unshard          a rank's slice of a whole tensor, and the whole from every slice
     global_grad_norm         the whole model's gradient norm from split and replicated parameters
 Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed then counts them once in
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fpscale.models.common import LMHead
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
 
 
@@ -127,3 +129,32 @@ class _VocabParallelCE(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
     return _VocabParallelCE.apply(logits_local, targets, group)
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """An embedding whose table is split by vocabulary rows: each rank looks up the tokens in its
+    slice and the lookups are summed over the TP group (``weight`` keeps nn.Embedding's name)."""
+
+    def __init__(self, weight_local: torch.nn.Parameter, group):
+        super().__init__()
+        self.weight, self.group = weight_local, group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embedding(tokens, self.weight, self.group)
+
+
+class VocabParallelLMHead(LMHead):
+    """The output layer over this rank's vocabulary slice of the weight: logits stay sharded and
+    the loss is the vocabulary-parallel cross-entropy, so full logits are never gathered."""
+
+    sharded_logits = True
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, h: torch.Tensor, weight_local: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(h, self.group), weight_local)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group)

@@ -4,18 +4,19 @@ from __future__ import annotations
 import torch
 
 import fpscale
-from fpscale.models import LayerSpec, ModelConfig
+from fpscale.models import ModelConfig, layer_spec
 
 TYPES = ["attn", "fpsa", "fpmamba", "looped"]
 
 
 def tiny_config(layer_type: str, vocab: int = 32, d: int = 32, solver: dict | None = None, **spec):
     cfg = fpscale.load_config(None, [])
-    layers = [LayerSpec(type=layer_type, **spec)] if layer_type != "mixed" else [
-        LayerSpec(type=t) for t in ("attn", "fpsa", "fpmamba", "looped")]
+    layers = [layer_spec(layer_type, **spec)] if layer_type != "mixed" else [
+        layer_spec(t) for t in ("attn", "fpsa", "fpmamba", "looped")]
     if solver:
         for layer in layers:
-            layer.solver = dict(solver)
+            if layer.looped:
+                layer.solver = dict(solver)
     cfg.model = ModelConfig(vocab_size=vocab, d_model=d, n_heads=4, max_seq_len=128, layers=layers)
     cfg.model.validate()
     return cfg

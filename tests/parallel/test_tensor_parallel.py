@@ -48,8 +48,8 @@ def test_bad_tp_sizes_name_the_numbers():
     with pytest.raises(ValueError, match=r"model.vocab_size = 8001 is not divisible by parallel.tp = 2"):
         parallelize(fpscale.build_model(fpscale.load_config(None, ["model.vocab_size=8001"])), state)
     state.tp_size = 8      # d_inner = 2 x 66 = 132 channels; an fpmamba-only model has no heads to check
-    with pytest.raises(ValueError, match=r"d_inner of model.layers.0 \(expand 2 x d_model 66\) = 132 is not "
-                                         r"divisible by parallel.tp = 8"):
+    with pytest.raises(ValueError, match=r"d_inner \(expand 2 x d_model 66\) = 132 is not divisible by "
+                                         r"parallel.tp = 8 \(model.layers.0, fpmamba, splits it\)"):
         parallelize(fpscale.build_model(fpscale.load_config(
             None, ["model.layers.0.type=fpmamba", "model.d_model=66", "model.n_heads=3", "model.vocab_size=8000"])),
             state)

@@ -2,13 +2,13 @@
 taken and the backward mode's cost."""
 import pytest
 
-from fpscale.models import LayerSpec, ModelConfig
+from fpscale.models import ModelConfig, layer_spec
 from fpscale.models.common import swiglu_hidden
 from fpscale.train.flops import layer_flops, peak_tflops, training_flops
 
 
 def test_attention_block_matches_a_hand_count():
-    cfg = ModelConfig(vocab_size=100, d_model=64, n_heads=4, layers=[LayerSpec(type="attn")])
+    cfg = ModelConfig(vocab_size=100, d_model=64, n_heads=4, layers=[layer_spec("attn")])
     ((static, per_iter),) = layer_flops(cfg, seq_len=32)
     h = swiglu_hidden(64, cfg.mlp_ratio)
     assert static == 2 * 64 * 192 + 2 * 64 * 64 + 4 * 16 * 64 + 6 * 64 * h and per_iter == 0
@@ -16,7 +16,7 @@ def test_attention_block_matches_a_hand_count():
 
 @pytest.mark.parametrize("kind", ["fpsa", "fpmamba", "looped"])
 def test_executed_flops(kind):
-    cfg = ModelConfig(vocab_size=100, d_model=64, n_heads=4, layers=[LayerSpec(type=kind)])
+    cfg = ModelConfig(vocab_size=100, d_model=64, n_heads=4, layers=[layer_spec(kind)])
     (static, per_iter), = layer_flops(cfg, 32)
     assert per_iter > 0
     one = training_flops(cfg, 32, [{"iterations": 1}], ["jfb"], [1])
