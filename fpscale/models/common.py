@@ -24,8 +24,13 @@ class TPSplit(NamedTuple):
 
 def attention_flops(d_model: int, seq_len: int) -> float:
     """Forward matmul FLOPs per token of a causal attention sublayer: q/k/v and output
-    projections, scores and values over T/2 keys on average."""
-    return 2 * 3 * d_model * d_model + 2 * d_model * d_model + 2 * 2 * (seq_len / 2) * d_model
+    projections, then scores and values."""
+    return 2 * 3 * d_model * d_model + 2 * d_model * d_model + attention_score_flops(d_model, seq_len)
+
+
+def attention_score_flops(d_model: int, seq_len: int) -> float:
+    """Q K^T and the weighted sum of V per token, over T/2 keys on average (causal)."""
+    return 2 * 2 * (seq_len / 2) * d_model
 
 
 def mlp_flops(d_model: int, hidden: int) -> float:

@@ -34,6 +34,11 @@ from fpscale.models.registry import FixedPointSpec
 from fpscale.models.scan import scan
 
 
+def scan_flops(d_inner: int, d_state: int) -> float:
+    """The scan's update h = lambda h + (Delta x~) B^T and its read C^T h, per token (elementwise)."""
+    return 2 * 4 * d_inner * d_state
+
+
 @dataclass
 class FPMambaSpec(FixedPointSpec):
     """``fpmamba``: mixer (householder | dplr | kronecker | none) and mixer_rank; negative_eigs
@@ -76,8 +81,7 @@ class FPMambaSpec(FixedPointSpec):
         dt_rank = -(-d // 16)
         feeds = 2 if self.y_feedback else 1
         per_iter = (mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
-                    + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di
-                    + 2 * 4 * di * N)                       # scan update and C^T h
+                    + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di + scan_flops(di, N))
         mlp = mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)) if self.mlp else 0.0
         return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp, per_iter
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.models.attn import AttnBlock, heads_and_mlp
-from fpscale.models.common import (TPSplit, apply_rope, causal_attention, init_linear, linear, merge_heads,
-                                   mlp_flops, rms_norm, rope_span, spectral_normalize, split_heads,
+from fpscale.models.common import (TPSplit, apply_rope, attention_score_flops, causal_attention, init_linear,
+                                   linear, merge_heads, mlp_flops, rms_norm, rope_span, spectral_normalize, split_heads,
                                    swiglu_hidden)
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.registry import FixedPointSpec
@@ -53,7 +53,7 @@ class FPSASpec(FixedPointSpec):
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         d = cfg.d_model            # V and the MLP once; Q, K, scores / values and W_O per iteration
         static = 2 * d * d + mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio))
-        return static, 2 * 3 * d * d + 2 * 2 * (seq_len / 2) * d
+        return static, 2 * 3 * d * d + attention_score_flops(d, seq_len)
 
 
 class FPSAttention(FixedPointLayer):

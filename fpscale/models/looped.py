@@ -24,6 +24,8 @@ from fpscale.models.common import (TPSplit, attention_flops, causal_conv, init_l
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.registry import FixedPointSpec
 
+CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
+
 
 @dataclass
 class LoopedCoreSpec(FixedPointSpec):
@@ -51,8 +53,9 @@ class LoopedCoreSpec(FixedPointSpec):
         return heads_and_mlp(cfg)
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
-        d = cfg.d_model                   # the whole core per iteration
-        return 0.0, self.core_blocks * (attention_flops(d, seq_len) + mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)))
+        d = cfg.d_model                   # the conv once, the whole core per iteration
+        static = 2 * d * CONV_WIDTH if self.conv else 0.0
+        return static, self.core_blocks * (attention_flops(d, seq_len) + mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)))
 
 
 def _logit(p: float) -> float:
@@ -79,7 +82,7 @@ class LoopedCore(FixedPointLayer):
             init_linear(w, out_std)
         self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))   # [1]: DeepSpeed cannot broadcast 0-dim
         self.a2_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a2_init)]))
-        self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, 4)) if spec.conv else None
+        self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, CONV_WIDTH)) if spec.conv else None
 
     def tp_plan(self) -> dict[str, TPSplit]:
         """Per stacked sublayer (dim 0 is the sublayer): heads and MLP hidden units; the norms,

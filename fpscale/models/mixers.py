@@ -50,11 +50,11 @@ def kronecker_factors(n: int) -> tuple[int, int]:
 def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> float:
     """Forward FLOPs per token of one application of the mixer (its projections and Q v)."""
     feeds, di = (2 if y_feedback else 1), d_inner
-    if kind in ("householder", "dplr"):            # u_i projections + application
-        return feeds * 2 * rank * di * di + 4 * rank * di
-    if kind == "kronecker":                        # K1, K2 projections, M M^T, 4 squarings, K1 V K2^T
+    if kind in ("householder", "dplr"):            # u_i and a_i projections of x (and y)
+        return feeds * 2 * rank * di * (di + 1)
+    if kind == "kronecker":     # K1, K2 and a projections, M M^T and 4 squarings of each, K1 V K2^T
         d1, d2 = kronecker_factors(di)
-        return feeds * 2 * di * (d1 * d1 + d2 * d2) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
+        return feeds * 2 * di * (d1 * d1 + d2 * d2 + 1) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
     return 0.0
 
 

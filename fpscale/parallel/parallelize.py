@@ -101,10 +101,11 @@ def parallelize(model, state, tracker: RNGTracker | None = None):
     check_divisibility(model.cfg, tp)
     tracker = tracker or RNGTracker.for_tp(model.seed, state)
     rank, group = state.tp_rank, state.tp_group
-    for module in model.layers.modules():        # every module that declares how it splits
-        if hasattr(module, "tp_plan"):
+    for module in model.layers.modules():
+        if hasattr(module, "tp_plan"):           # the weights it declares split
             for name, how in module.tp_plan().items():
                 split(module, name, rank, tp, how.dim, how.parts)
+        if hasattr(module, "shards"):            # every seam: a looped layer's solver agrees too
             module.shards = TensorParallelShards(group, tracker)
     split(model.embed, "weight", rank, tp, 0)
     model.embed = VocabParallelEmbedding(model.embed.weight, group)

@@ -3,10 +3,12 @@
     torchrun --nproc_per_node 2 tests/parallel/run_layout.py OUT_DIR zero_stage=3 [key=value ...]
     python tests/parallel/run_layout.py OUT_DIR                         # the one-process reference
 Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
-``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss).
+``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss);
+``plugin=module`` imports a module first (one that registers a layer type of its own).
 Every step and the validation run under ``device_check.checked_collectives``: a collective handed a
 tensor off the compute device fails the run (what NCCL would do on a GPU).
 """
+import importlib
 import json
 import os
 import sys
@@ -36,7 +38,10 @@ def run(checked):
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
     nan_at = [int(a.split("=")[1]) for a in args if a.startswith("nan_at=")]
     config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
-    overrides = BASE + [f"train.out_dir={out}"] + [a for a in args if not a.startswith(("zero_stage=", "rank_tol=", "config=", "nan_at="))]
+    for plugin in [a.split("=")[1] for a in args if a.startswith("plugin=")]:
+        importlib.import_module(plugin)
+    own = ("zero_stage=", "rank_tol=", "config=", "nan_at=", "plugin=")
+    overrides = BASE + [f"train.out_dir={out}"] + [a for a in args if not a.startswith(own)]
     if zero:
         overrides.append(f"parallel.zero_stage={zero[0]}")
     rank = int(os.environ.get("RANK", "0"))

@@ -6,7 +6,7 @@ import pytest
 import fpscale
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState
-from tests.parallel.launch import read_ranks, torchrun
+from tests.parallel.launch import one_process_reference, read_ranks, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
 
@@ -38,6 +38,28 @@ def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
         assert [s["iterations"] for s in a["steps"]] == [s["iterations"] for s in b["steps"]]
     if nproc == 2:      # TP alone: the very micro-batches of one process, so its very counts
         assert [s["iterations"] for s in ranks[0]["steps"]] == [s["iterations"] for s in reference["steps"]]
+
+
+@pytest.mark.multiprocess
+def test_a_layer_type_added_by_registration_alone_trains_under_tp2(tmp_path):
+    """tests/models/damped_mlp.py registers a looped type fpscale has never heard of; between two
+    attn layers it trains 5 steps split over TP 2 as on one process (its MLP splits by the plan
+    the MLP declares, its solver agrees over the shards), iteration counts included."""
+    args = ["plugin=tests.models.damped_mlp", "config=tiny_attn.yaml",
+            "model.layers=[{type: attn}, {type: damped_mlp, scale: 0.6, solver: {max_iter: 12, tol: 1e-4}}, "
+            "{type: attn}]"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "tp2").mkdir()
+    reference = one_process_reference(str(tmp_path / "one"), *args)
+    torchrun(2, SCRIPT, [str(tmp_path / "tp2"), "parallel.tp=2", "zero_stage=1", *args], timeout=300)
+    ranks = read_ranks(str(tmp_path / "tp2"))
+    iterations = [s["iterations"]["layers.1.damped_mlp"] for s in reference["steps"]]
+    assert all(1 < its[0] < 12 for its in iterations)        # it iterates, and converges before the cap
+    for r in ranks:
+        assert [s["iterations"]["layers.1.damped_mlp"] for s in r["steps"]] == iterations
+        for got, want in zip(r["steps"], reference["steps"]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 def test_bad_tp_sizes_name_the_numbers():
