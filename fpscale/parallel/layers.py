@@ -48,9 +48,8 @@ def unshard(pieces: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tenso
 
 def mark_tensor_parallel(t: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
     """Tag a split tensor: DeepSpeed counts it once in the gradient norm; checkpoints merge it."""
-    t.tensor_model_parallel = True
-    t.partition_dim = dim
-    t.tp_parts = parts
+    for name, value in (("tensor_model_parallel", True), ("partition_dim", dim), ("tp_parts", parts)):
+        setattr(t, name, value)
     return t
 
 
@@ -59,7 +58,7 @@ def global_grad_norm(params, tp_group) -> torch.Tensor:
     split parameters (``tensor_model_parallel``) are summed over the TP group, replicated ones
     counted once. Gradients must already be reduced over data parallelism. One fp32 sum of
     squares per group of parameters on their device (no host transfer), one all-reduce."""
-    squares = {True: [], False: []}
+    squares: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     for p in params:
         if p.grad is not None:
             squares[bool(getattr(p, "tensor_model_parallel", False))].append(p.grad.detach())

@@ -76,7 +76,7 @@ class RNGTracker:
 def rng_state(tracker: RNGTracker | None, device: torch.device) -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"torch_cpu": torch.get_rng_state(), "device": _get(device),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss),
             "python": random.getstate(), "streams": dict(tracker.states) if tracker else {}}
 
 

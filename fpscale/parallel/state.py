@@ -24,10 +24,10 @@ class ParallelState:
     tp_rank: int = 0
     dp_size: int = 1
     dp_rank: int = 0
-    tp_group: object = None
-    dp_group: object = None
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
     device: torch.device = torch.device("cpu")
-    host_group: object = None   # gloo over every rank, for host-side coordination (checkpoints)
+    host_group: dist.ProcessGroup | None = None   # gloo over every rank, for host-side coordination (checkpoints)
 
     @property
     def distributed(self) -> bool:
