@@ -17,13 +17,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from fpscale.data.fineweb import _encode_unit, _init_worker  # noqa: E402
-from fpscale.data.loader import DistributedBatches  # noqa: E402
-from fpscale.data.shards import TokenShards  # noqa: E402
+from fpscale.data.fineweb import _encode_unit, _init_worker
+from fpscale.data.loader import DistributedBatches
+from fpscale.data.shards import TokenShards
 
 
 def tokenization(corpus: str, model: str, workers: int, docs_per_unit: int = 64) -> dict:

@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
 
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 
 def trainer_for(path: str, micro: int, steps: int, extra: list[str]):

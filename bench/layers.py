@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from fpscale.models import ModelConfig, layer_spec  # noqa: E402
-from fpscale.models.lm import LoopedLM  # noqa: E402
-from fpscale.profiling import count_saved_bytes  # noqa: E402
-from fpscale.solvers import SolverConfig  # noqa: E402
+from fpscale.models import ModelConfig, layer_spec
+from fpscale.models.lm import LoopedLM
+from fpscale.profiling import count_saved_bytes
+from fpscale.solvers import SolverConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

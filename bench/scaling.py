@@ -12,7 +12,10 @@ reduce-scatter + an all-gather in forward and in backward).
 Tensor parallelism (attn layers) adds, per micro-batch and rank, 4L + 2 all-reduces of the
 B x T x d activations (two per block in forward, two in backward, the embedding and the output
 projection) and three [B x T] reductions of the vocab-parallel loss, each 2(n-1)/n of its size;
-they are counted by fpscale.parallel.mappings.TP_TRAFFIC (DeepSpeed's logger does not see them).
+DeepSpeed's logger does not see them: the benchmark counts the bytes handed to
+torch.distributed.all_reduce / all_gather on the TP group while the timed steps run
+(``counting_tp_collectives``; DeepSpeed's own reductions on that group, the gradient norm's few
+scalars per step, are counted there as well).
 A looped layer under TP communicates once per solver iteration (forward and adjoint), so for
 tiny_mixed the TP volume depends on the iteration counts: it is measured, with no formula beside it.
 On CPU/gloo DeepSpeed
@@ -22,18 +25,43 @@ gathered once per step (its parameters stay live between forward and backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
 
 EXPECTED = {0: 2, 1: 3, 2: 2, 3: 3}
+
+
+@contextlib.contextmanager
+def counting_tp_collectives(tp_group, counter: Counter):
+    """Count the bytes handed to ``all_reduce`` and ``all_gather`` on ``tp_group`` (message sizes,
+    per op, as DeepSpeed's comms logger counts its own) by wrapping torch.distributed's functions,
+    which fpscale's TP mappings look up at each call."""
+    import torch.distributed as dist
+    all_reduce, all_gather = dist.all_reduce, dist.all_gather
+
+    def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is tp_group:
+            counter["all_reduce"] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def counted_all_gather(tensor_list, tensor, group=None, async_op=False):
+        if group is tp_group:
+            counter["all_gather"] += tensor.numel() * tensor.element_size()
+        return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+    dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
+    try:
+        yield counter
+    finally:
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather
 
 
 def worker(args) -> None:
@@ -42,7 +70,6 @@ def worker(args) -> None:
 
     import fpscale
     from fpscale.train.trainer import Trainer
-    from fpscale.parallel.mappings import TP_TRAFFIC
     overrides = [f"train.steps={args.warmup + args.steps}", "train.log_interval=100000",
                  "train.eval_interval=100000", f"parallel.zero_stage={args.zero}", f"parallel.tp={args.tp}",
                  "train.resume=none"]
@@ -56,18 +83,21 @@ def worker(args) -> None:
     world = trainer.state.world_size
     if world > 1:
         dscomm.comms_logger.comms_dict.clear()
-        TP_TRAFFIC.clear()
         dist.barrier()
-    t0 = time.perf_counter()
-    tokens = 0
-    for _ in range(args.steps):
-        tokens += trainer.train_step()["tokens"]
-    elapsed = time.perf_counter() - t0
+    tp_traffic: Counter = Counter()
+    counting = (counting_tp_collectives(trainer.state.tp_group, tp_traffic) if trainer.state.tp_size > 1
+                else contextlib.nullcontext())
+    with counting:
+        t0 = time.perf_counter()
+        tokens = 0
+        for _ in range(args.steps):
+            tokens += trainer.train_step()["tokens"]
+        elapsed = time.perf_counter() - t0
     traffic, logged = 0.0, {}
     if world > 1:
         n = trainer.state.dp_size          # DeepSpeed's collectives run over the DP group
         tp = trainer.state.tp_size
-        for op, size in TP_TRAFFIC.items():
+        for op, size in tp_traffic.items():
             logged[f"tp_{op}"] = size / args.steps
             traffic += {"all_reduce": 2 * (tp - 1) / tp, "all_gather": tp - 1}[op] * size / args.steps
         for op, sizes in dscomm.comms_logger.comms_dict.items():
@@ -79,14 +109,14 @@ def worker(args) -> None:
     params = trainer.model.num_params()
     if trainer.state.is_main:
         attn_blocks = sum(s.repeat for s in cfg.model.layers if s.type == "attn")
-        t = cfg.train
-        activation = t.micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
-        per_micro = (4 * attn_blocks + 2) * activation + 3 * t.micro_batch * cfg.data.seq_len * 4
+        micro = trainer.batch.micro_batch
+        activation = micro * cfg.data.seq_len * cfg.model.d_model * 4
+        per_micro = (4 * attn_blocks + 2) * activation + 3 * micro * cfg.data.seq_len * 4
         print(json.dumps({"world": world, "dp": trainer.state.dp_size, "tp": trainer.state.tp_size,
                           "attn_only": all(s.type == "attn" for s in cfg.model.layers),
                           "tp_bytes_per_step": sum(v for k, v in logged.items() if k.startswith("tp_")),
                           "zero": args.zero if world > 1 else None, "tokens_per_s": tokens / elapsed,
-                          "param_bytes": 4 * params, "tp_message_bytes": per_micro * trainer.grad_accum,
+                          "param_bytes": 4 * params, "tp_message_bytes": per_micro * trainer.batch.grad_accum,
                           "traffic_bytes_per_step": traffic, "logged_bytes_per_step": logged}), flush=True)
     trainer.close()
 
@@ -105,21 +135,31 @@ def run_layout(config: str, nproc: int, zero: int, steps: int, warmup: int, time
     return json.loads(lines[-1])
 
 
+def worker_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments ``run_layout`` hands to each process of one layout (after ``--worker``)."""
+    ap = argparse.ArgumentParser(prog="scaling.py --worker")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--zero", type=int, required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    return ap.parse_args(argv)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(worker_args(argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs/tiny_mixed.yaml"))
+    ap.add_argument("--config", default=str(ROOT / "configs/tiny_mixed.yaml"),
+                    help="the config of the DP and TP layouts (every layer type)")
     ap.add_argument("--tp-config", default=str(ROOT / "configs/tiny_attn.yaml"),
-                    help="attn-only config for the tensor-parallel layouts")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--zero", type=int, default=1)
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=None)
+                    help="attn-only config for the layouts whose TP volume has a formula")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per layout")
+    ap.add_argument("--out", default=None, help="the JSON file (default bench/results/scaling.json)")
     args = ap.parse_args(argv)
-    if args.worker:
-        return worker(args)
     from common import print_table, write_json
     rows = []
     layouts = ([(args.config, 1, 0, 1)] + [(args.config, 2, z, 1) for z in (0, 1, 2, 3)]

@@ -12,18 +12,15 @@ by one plain differentiable application of f in the same dtype.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from fpscale.profiling import count_saved_bytes  # noqa: E402
-from fpscale.solvers import SolverConfig, solve  # noqa: E402
+from fpscale.profiling import count_saved_bytes
+from fpscale.solvers import SolverConfig, solve
 
 
 def attention_map(d: int, heads: int, x: torch.Tensor):

@@ -10,8 +10,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fpscale.data.fineweb import DataError, prepare  # noqa: E402
+from fpscale.data.fineweb import DataError, prepare
 
 
 def main(argv=None) -> int:

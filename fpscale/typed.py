@@ -19,9 +19,6 @@ import yaml
 
 from fpscale.errors import ConfigError
 
-_MISSING = object()
-
-
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
@@ -39,14 +36,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                pass
         raise ConfigError(key, f"expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)

@@ -13,7 +13,6 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -92,7 +91,3 @@ def build_corpus(out_dir: str, sources: tuple[str, ...] = ("sotu", "pydoc")) -> 
     with open(os.path.join(out_dir, "SOURCES.json"), "w") as fh:
         json.dump({name: SOURCES[name] for name in sources} | {"documents": len(docs)}, fh, indent=2)
     return target
-
-
-def remove(out_dir: str) -> None:
-    shutil.rmtree(out_dir, ignore_errors=True)

@@ -9,7 +9,7 @@ same stream. The whole loader state is one small record (:class:`LoaderState`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -21,9 +21,6 @@ class LoaderState:
     consumed_samples: int
     seed: int
     fingerprint: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class GlobalOrder:
@@ -61,10 +58,6 @@ class DistributedBatches:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.order = GlobalOrder(dataset.num_samples, seed, getattr(dataset, "needs_shuffle", True))
         self.consumed_samples = consumed_samples
-
-    @property
-    def accum_steps(self) -> int:
-        return self.global_batch // (self.micro * self.dp_size)
 
     def state(self) -> LoaderState:
         return LoaderState(self.consumed_samples, self.seed, self.dataset.fingerprint())

@@ -8,15 +8,8 @@ With a group of one process every mapping is the identity.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
-
-# Bytes handed to TP collectives by this process, per op (message sizes, as DeepSpeed's comms
-# logger counts them); read by bench/scaling.py. One integer add per collective.
-TP_TRAFFIC: Counter = Counter()
-
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -26,7 +19,6 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if _size(group) == 1:
         return x
     x = x.contiguous()
-    TP_TRAFFIC["all_reduce"] += x.numel() * x.element_size()
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -43,7 +35,6 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
-    TP_TRAFFIC["all_gather"] += x.numel() * x.element_size()
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 

@@ -1,4 +1,4 @@
-"""Backward modes at the fixed point z* (DESIGN.md section 3).
+"""Backward modes at the fixed point z* (docs/solver.md; the papers in docs/references.md).
 
 implicit  one differentiable application fz = f(z*) is recorded; a hook on fz replaces the
           incoming gradient g by the adjoint u solving u = J^T u + g (J = df/dz at z*),

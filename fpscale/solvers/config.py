@@ -32,7 +32,7 @@ class SolverConfig:
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
-    Backward (DESIGN.md section 3):
+    Backward (docs/solver.md, "Backward modes"):
       backward           implicit | phantom | jfb | unroll
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
       backward_max_iter, backward_tol

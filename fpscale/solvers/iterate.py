@@ -13,10 +13,11 @@ One loop, one host synchronisation per iteration (the stop decision):
                         (the last finite z is kept)
   freezing              a converged token is frozen: its value never changes again
 
-Under tensor parallelism a ``consensus`` callable takes the MAX of a flag vector over the group
-once per iteration: [any non-finite, unconverged_b..., no_progress_b...]. Every decision
+Under tensor parallelism a ``consensus`` callable takes the MAX of this rank's :class:`StopFlags`
+over the group once per iteration (packed into one tensor, so one all-reduce). Every decision
 (stopping, each sample's eta) is a function of the agreed flags, so all ranks take the same
 number of iterations with the same damping, even if their residuals differed in the last bit.
+The decision then reaches the host as one :class:`StopDecision` (the iteration's one sync).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import torch
 
 from fpscale.solvers.config import SolverConfig
 
-# A consensus callable takes a small int64 tensor of flags and returns their element-wise
-# maximum over a process group, so every rank of that group takes the same decision.
+# A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
+# element-wise maximum over a process group, so every rank of that group takes the same decision.
 Consensus = Callable[[torch.Tensor], torch.Tensor]
 # A state reduction completes per-token partial norms when the iterate itself is split over a
 # process group (tensor-parallel channels): (tensor, "sum" | "max") -> the group's total.
@@ -106,6 +107,43 @@ class _Anderson:
 
 
 @dataclass
+class StopFlags:
+    """What one rank saw in one iteration, as the flags its TP group agrees on.
+
+    Each flag is set when *any* rank saw it, so the agreement is an element-wise MAX; ``pack``
+    lays the flags out as one int64 tensor ``[nonfinite, unconverged_b (B), no_progress_b (B)]``
+    for a single all-reduce and ``unpack`` reads the agreed tensor back.
+    """
+    nonfinite: torch.Tensor     # [] bool: some sample's residual is not finite
+    unconverged: torch.Tensor   # [B] bool: residual_b >= tol
+    no_progress: torch.Tensor   # [B] bool: residual_b is not a new best for sample b
+
+    def pack(self) -> torch.Tensor:
+        return torch.cat([self.nonfinite.view(1), self.unconverged, self.no_progress]).long()
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, batch: int) -> StopFlags:
+        return cls(nonfinite=packed[0].bool(), unconverged=packed[1:batch + 1].bool(),
+                   no_progress=packed[batch + 1:].bool())
+
+
+@dataclass
+class StopDecision:
+    """The host's view of one iteration's agreed flags, read in the iteration's one sync."""
+    unconverged: int        # samples still unconverged
+    quantile_met: bool      # at most floor(p * B) of them: the quantile rule stops the solve
+    stalled: bool           # no unconverged sample's eta is at or above eta_min: none can move
+    nonfinite: bool         # a residual was not finite on some rank
+
+    @classmethod
+    def read(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
+             nonfinite: torch.Tensor) -> StopDecision:
+        """Bring the four device scalars to the host with one synchronisation."""
+        n, met, stuck, bad = torch.stack([unconverged, quantile_met, stalled, nonfinite]).tolist()
+        return cls(int(n), bool(met), bool(stuck), bool(bad))
+
+
+@dataclass
 class IterateResult:
     z: torch.Tensor               # the last iterate, in the solver's state dtype
     iterations: int
@@ -157,25 +195,23 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
             sample_res = res.amax(1)
             finite = torch.isfinite(sample_res)
             # flags this rank saw; under TP their MAX over the group is what every rank acts on
-            flags = torch.cat([(~finite.all()).view(1), ~(sample_res < tol), ~(sample_res < best)]).long()
+            flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < tol),
+                              no_progress=~(sample_res < best))
             if consensus is not None:
-                flags = consensus(flags)
-            nonfinite_any, unconverged, no_progress = flags[0].bool(), flags[1:B + 1].bool(), flags[B + 1:].bool()
+                flags = StopFlags.unpack(consensus(flags.pack()), B)
             # Algorithm 1, per sample: progress resets the patience, stagnation decays eta
-            best = torch.where(no_progress, best, sample_res)
+            best = torch.where(flags.no_progress, best, sample_res)
             if cfg.patience > 0:
-                patience_left = torch.where(no_progress, patience_left - 1, cfg.patience)
+                patience_left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
                 decay_now = patience_left <= 0
                 next_eta = torch.where(decay_now, eta * cfg.decay, eta)
                 patience_left = torch.where(decay_now, cfg.patience, patience_left)
             else:
                 next_eta = eta
-            n_unconverged = unconverged.sum()
-            stalled = (unconverged & ~(next_eta < cfg.eta_min)).sum() == 0    # no unconverged sample can move
-            # the one host synchronisation of the iteration
-            n_left, quantile_met, stalled, nonfinite = torch.stack(
-                [n_unconverged, n_unconverged <= limit, stalled, nonfinite_any]).tolist()
-        if nonfinite:
+            n_unconverged = flags.unconverged.sum()
+            stalled = (flags.unconverged & ~(next_eta < cfg.eta_min)).sum() == 0
+            decision = StopDecision.read(n_unconverged, n_unconverged <= limit, stalled, flags.nonfinite)
+        if decision.nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
         if anderson is not None:
@@ -189,8 +225,9 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         token_res = res.to(dtype)
         eta = next_eta
         z = z_next
-        if quantile_met or stalled:
-            stopped_by = "converged" if n_left == 0 else "quantile" if quantile_met else "eta_min"
+        if decision.quantile_met or decision.stalled:
+            stopped_by = ("converged" if decision.unconverged == 0 else "quantile" if decision.quantile_met
+                          else "eta_min")
             break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta)

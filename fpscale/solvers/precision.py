@@ -1,6 +1,6 @@
 """What a fixed-point map computed in a given dtype can resolve, and the tolerance it can reach.
 
-fpscale's precision policy for looped layers (README, "Precision"):
+fpscale's precision policy for looped layers (docs/solver.md, "Precision"):
   * the solver keeps the iterate, the residuals, the damping and Anderson's mixing in float32
     (float64 stays float64), whatever dtype the map computes in;
   * the map keeps the iterate and every elementwise operation on it (residual mixing, the

@@ -5,7 +5,7 @@ no host synchronisation to the solve itself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ class SolverStats:
     tol: float                      # the tolerance applied (raised to the dtype's floor in bf16)
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
     backward_residual: float | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def nonfinite(self) -> bool:
@@ -50,5 +49,4 @@ class SolverStats:
         if self.backward_iterations is not None:
             out["backward_iterations"] = self.backward_iterations
             out["backward_residual"] = self.backward_residual
-        out.update(self.extra)
         return out

@@ -20,22 +20,30 @@ def test_samples_are_windows_of_the_stream(shards):
 
 
 def global_batches(shards, dp, steps, consumed=0, micro=2, global_batch=8):
+    """What the ``dp`` ranks read, step by step: [step][rank] -> that rank's micro-batches concatenated."""
     ranks = [DistributedBatches(shards, global_batch, micro, r, dp, seed=7, consumed_samples=consumed)
              for r in range(dp)]
-    out = []
-    for _ in range(steps):
-        parts = [torch.cat(r.next_global_batch()) for r in ranks]
-        out.append(torch.cat(parts))
-    return out, ranks
+    return [[torch.cat(r.next_global_batch()) for r in ranks] for _ in range(steps)], ranks
 
 
-def test_union_over_ranks_is_the_same_for_dp_1_2_4(shards):
-    one, _ = global_batches(shards, 1, 6)
-    for dp in (2, 4):
-        other, ranks = global_batches(shards, dp, 6)
-        for a, b in zip(one, other):
-            assert torch.equal(a, b)
-        assert len({r.state().fingerprint for r in ranks}) == 1
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_dp_ranks_read_their_slice_of_the_one_process_global_batch(shards, dp):
+    """In every global step, rank r of ``dp`` reads the r-th contiguous slice of what one process
+    reads (micro-batch = the whole global batch), in the same order, so the ranks' union is the
+    one-process batch for any DP size. Starts 20 samples before an epoch ends, so the steps
+    cross into the next epoch's permutation."""
+    G, steps = 8, 6
+    start = shards.num_samples - 20
+    one_process = DistributedBatches(shards, G, G, seed=7, consumed_samples=start)
+    whole = [one_process.next_global_batch() for _ in range(steps)]
+    assert all(len(w) == 1 for w in whole)
+    read, ranks = global_batches(shards, dp, steps, consumed=start, global_batch=G)
+    for (batch,), per_rank in zip(whole, read):
+        assert len({tuple(x.tolist()) for x in batch}) == G        # distinct samples: the comparison means something
+        for r, part in enumerate(per_rank):
+            assert torch.equal(part, batch[r * G // dp:(r + 1) * G // dp]), (dp, r)
+    assert all(r.consumed_samples == one_process.consumed_samples == start + steps * G for r in ranks)
+    assert len({r.state().fingerprint for r in ranks}) == 1
 
 
 def test_resume_continues_the_stream_exactly(shards):
@@ -44,7 +52,7 @@ def test_resume_continues_the_stream_exactly(shards):
     assert state.consumed_samples == 80
     resumed, _ = global_batches(shards, 4, 6, consumed=32)         # resume at n = 32 on another DP size
     for a, b in zip(full[4:], resumed):
-        assert torch.equal(a, b)
+        assert torch.equal(torch.cat(a), torch.cat(b))
 
 
 def test_epochs_wrap_with_a_new_permutation(shards):

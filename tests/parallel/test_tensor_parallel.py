@@ -94,13 +94,33 @@ def test_world_size_not_divisible_by_tp(monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_dropout_under_tp_keeps_replicated_weights_identical(tmp_path):
-    """Residual dropout draws the same mask on both shards (default stream, seeded per replica) and
-    attention dropout a mask per shard (the TP stream): replicated weights stay equal across shards."""
-    torchrun(2, SCRIPT, [str(tmp_path), "parallel.tp=2", "zero_stage=1", "model.dropout=0.2",
+def test_dropout_under_tp_acts_and_matches_one_process(tmp_path, reference):
+    """Residual dropout draws from the default stream, the same on both shards and on one process:
+    TP2 with ``model.dropout`` gives the losses of one process with the same dropout, and they differ
+    from the run without dropout (so dropout acts). Attention dropout draws a mask per shard from
+    the TP stream: adding it changes the losses again, and replicated weights stay equal across shards."""
+    def losses(ranks):
+        return [s["loss"] for s in ranks[0]["steps"]]
+
+    residual = ["model.dropout=0.2"]
+    for name in ("one", "tp", "tp_attn"):
+        (tmp_path / name).mkdir()
+    one = one_process_reference(str(tmp_path / "one"), *residual)
+    torchrun(2, SCRIPT, [str(tmp_path / "tp"), "parallel.tp=2", "zero_stage=1", *residual], timeout=300)
+    tp = read_ranks(str(tmp_path / "tp"))
+    torchrun(2, SCRIPT, [str(tmp_path / "tp_attn"), "parallel.tp=2", "zero_stage=1", *residual,
                          "model.attn_dropout=0.2"], timeout=300)
-    r0, r1 = read_ranks(str(tmp_path))
-    assert r0["replicated"] and r0["replicated"] == r1["replicated"]
+    tp_attn = read_ranks(str(tmp_path / "tp_attn"))
+
+    def differ(a, b):      # every step further apart than the TP-vs-one-process tolerance
+        return all(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b))
+
+    assert losses(tp) == pytest.approx(losses([one]), rel=1e-5)        # the one-process masks
+    assert differ(losses(tp), losses([reference]))                       # residual dropout acts
+    assert differ(losses(tp_attn), losses(tp))                           # so does attention dropout
+    for run in (tp, tp_attn):
+        r0, r1 = run
+        assert r0["replicated"] and r0["replicated"] == r1["replicated"]
 
 
 def test_rng_tracker_streams():

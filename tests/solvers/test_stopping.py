@@ -6,6 +6,7 @@ import torch
 
 from fpscale.errors import ConfigError
 from fpscale.solvers import SolverConfig, solve
+from fpscale.solvers.iterate import StopFlags
 from fpscale.typed import from_dict
 
 TOL = 1e-3
@@ -203,9 +204,20 @@ def test_deterministic():
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].iterations == runs[1][1].iterations
 
 
+def test_stop_flags_pack_into_one_tensor_and_back():
+    """The consensus protocol's wire format: [nonfinite, unconverged_b (B), no_progress_b (B)]."""
+    flags = StopFlags(nonfinite=torch.tensor(True), unconverged=torch.tensor([True, False, True]),
+                      no_progress=torch.tensor([False, False, True]))
+    packed = flags.pack()
+    assert packed.dtype == torch.int64 and packed.tolist() == [1, 1, 0, 1, 0, 0, 1]
+    back = StopFlags.unpack(packed, 3)
+    assert bool(back.nonfinite) and back.unconverged.tolist() == [True, False, True]
+    assert back.no_progress.tolist() == [False, False, True]
+
+
 def test_consensus_keeps_ranks_iterating_together():
-    """A peer whose sample is still unconverged keeps this rank going (TP lock-step).
-    Flag layout: [any non-finite, unconverged_b (B), no_progress_b (B)], MAX over the group."""
+    """A peer whose sample is still unconverged keeps this rank going (TP lock-step): the
+    packed StopFlags are MAX-reduced over the group."""
     c = torch.tensor([0.1], dtype=torch.float64)
     alone = solve(affine(c), torch.zeros(1, 1, 1, dtype=torch.float64), SolverConfig(tol=TOL), training=False)[1]
     peer_iterations = alone.iterations + 5
@@ -213,8 +225,9 @@ def test_consensus_keeps_ranks_iterating_together():
 
     def consensus(flags):           # element-wise MAX with a simulated peer's flags
         seen.append(flags.clone())
-        peer = torch.tensor([0, int(len(seen) < peer_iterations), 0])
-        return torch.maximum(flags, peer)
+        peer = StopFlags(nonfinite=torch.tensor(False), unconverged=torch.tensor([len(seen) < peer_iterations]),
+                         no_progress=torch.tensor([False]))
+        return torch.maximum(flags, peer.pack())
 
     _, stats = solve(affine(c), torch.zeros(1, 1, 1, dtype=torch.float64), SolverConfig(tol=TOL),
                      training=False, consensus=consensus)
@@ -228,7 +241,9 @@ def test_consensus_makes_damping_agree():
     cfg = SolverConfig(max_iter=6, tol=0.0, patience=1, decay=0.5, eta_min=1e-3)
 
     def consensus(flags):           # the peer never sees progress on sample 1
-        return torch.maximum(flags, torch.tensor([0, 0, 0, 0, 1]))
+        peer = StopFlags(nonfinite=torch.tensor(False), unconverged=torch.tensor([False, False]),
+                         no_progress=torch.tensor([False, True]))
+        return torch.maximum(flags, peer.pack())
 
     _, stats = solve(affine(c), torch.zeros(2, 1, 1, dtype=torch.float64), cfg, training=False, consensus=consensus)
     assert stats.iterations == 6

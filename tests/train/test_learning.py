@@ -29,5 +29,9 @@ def test_tiny_model_learns(layer_type, tmp_path):
     # the first `period` tokens of a sample are random: the floor is about 3/32 * log(16) = 0.26
     assert final_val["val_loss"] < 0.5 * start, final_val
     if layer_type != "attn":
+        # validation solves at p = 0 under the cap of 20: more than one pass of the map, and a
+        # solve that ends before the cap has every sample converged (fpsa and fpmamba still run
+        # to the cap here after 100 steps, with some samples unconverged)
         (stats,) = final_val["layers"].values()
-        assert stats["iters_mean"] >= 1
+        assert 1 < stats["iters_mean"] and stats["iters_max"] <= 20, stats
+        assert stats["converged_fraction"] == 1.0 or stats["iters_max"] == 20, stats
