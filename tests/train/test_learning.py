@@ -4,6 +4,7 @@ import math
 import pytest
 
 import fpscale
+from fpscale.models import layer_spec
 from fpscale.train.trainer import Trainer
 
 SOLVERS = {
@@ -21,8 +22,7 @@ def test_tiny_model_learns(layer_type, tmp_path):
         "model.max_seq_len=64", "train.steps=100", "train.micro_batch=16", "train.global_batch=16",
         "train.eval_interval=100", "train.log_interval=100", "train.warmup=10", "train.lr=1e-2",
         "train.min_lr=1e-3", "solver.tol=1e-2", "solver.max_iter=20", f"train.out_dir={tmp_path}"])
-    spec = cfg.model.layers[0]
-    spec.type, spec.repeat, spec.solver = layer_type, 1, SOLVERS[layer_type]
+    cfg.model.layers = [layer_spec(layer_type, **({"solver": SOLVERS[layer_type]} if layer_type != "attn" else {}))]
     history = Trainer(cfg, log=False).train()
     start = math.log(16)                       # uniform prediction over the vocabulary
     final_val = [r for r in history if r["kind"] == "val"][-1]
