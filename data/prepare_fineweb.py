@@ -11,7 +11,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fpscale.data.fineweb import DataError, prepare  # noqa: E402
+from fpscale.data.fineweb import prepare  # noqa: E402
+from fpscale.errors import DataError  # noqa: E402
 
 
 def main(argv=None) -> int:
