@@ -10,7 +10,8 @@ import os
 import sys
 import time
 
-from fpscale.data.fineweb import DataError, prepare
+from fpscale.data.fineweb import prepare
+from fpscale.errors import DataError
 
 
 def main(argv=None) -> int:

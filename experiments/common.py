@@ -122,8 +122,8 @@ def find_kept(out_dir: str, key: str) -> dict | None:
 
 
 def depth_sweep(trainer, depths: Sequence[int]) -> list[dict]:
-    """Validation once per evaluation depth on the trained model (fpscale.eval.validate_depths)."""
-    from fpscale.eval.validate import validate_depths
+    """Validation once per evaluation depth on the trained model (fpscale.train.validation.validate_depths)."""
+    from fpscale.train.validation import validate_depths
     t = trainer.cfg.train
     return validate_depths(trainer.model, trainer.model, trainer.val_ds, t.micro_batch, t.eval_batches,
                            list(depths), trainer.state)
@@ -131,13 +131,11 @@ def depth_sweep(trainer, depths: Sequence[int]) -> list[dict]:
 
 def depth_sweep_from_weights(cfg, weights: str, depths: Sequence[int]) -> list[dict]:
     """The depth sweep of a finished run, from its exported weights (runs/<name>/final)."""
-    import fpscale
-    from fpscale.eval.validate import validate_depths
     from fpscale.parallel.state import ParallelState
-    from fpscale.train.checkpoint import load_safetensors
+    from fpscale.train.checkpoint import load_model
     from fpscale.train.trainer import build_datasets
-    model = fpscale.build_model(cfg)
-    load_safetensors(model, weights)
+    from fpscale.train.validation import validate_depths
+    model, _ = load_model(weights, cfg=cfg)
     _, val = build_datasets(cfg)
     t = cfg.train
     return validate_depths(model, model, val, t.micro_batch, t.eval_batches, list(depths), ParallelState())

@@ -151,10 +151,9 @@ def main():
     with Timer() as t_train:
         trained = train_lm("tiny_looped", over, "stability_core", runs, data=args.data)
     import fpscale
-    from fpscale.train.checkpoint import load_safetensors
+    from fpscale.train.checkpoint import load_model
     cfg = fpscale.load_config(CONFIG)
-    model = fpscale.build_model(cfg)
-    load_safetensors(model, os.path.join(runs, "stability_core", "final"))
+    model, _ = load_model(os.path.join(runs, "stability_core", "final"), cfg=cfg)
     from fpscale.train.trainer import build_datasets
     cfg.data.path = args.data
     _, val = build_datasets(cfg)

@@ -19,6 +19,11 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+class DataError(ValueError):
+    """Bad input data (a corpus, a prepared shard, a tokenizer): the message says which file,
+    column or document."""
+
+
 class ConfigWarning(UserWarning):
     """A configuration value that works, but not as its name suggests (or was adjusted)."""
 

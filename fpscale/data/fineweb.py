@@ -30,37 +30,13 @@ from typing import Iterator
 
 import numpy as np
 
+from fpscale.errors import DataError
+from fpscale.files import quick_digest, sha256_file, write_atomic
+
 HUB_HOST = ("huggingface.co", 443)
 
 
-class DataError(ValueError):
-    """Bad input data: the message says which file, column or document."""
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def quick_digest(path: str, blocks: int = 16, block: int = 1 << 16) -> str:
-    """sha256 over evenly spaced blocks of the file (the whole file when it is small)."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as fh:
-        if size <= blocks * block:
-            h.update(fh.read())
-        else:
-            for k in range(blocks):
-                fh.seek((size - block) * k // (blocks - 1))
-                h.update(fh.read(block))
-    return h.hexdigest()
-
-
 # -- reading documents --------------------------------------------------------------------------
-
 def hub_reachable(timeout: float = 3.0) -> bool:
     try:
         with socket.create_connection(HUB_HOST, timeout=timeout):
@@ -213,15 +189,6 @@ class Plan:
     text_column: str
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _write_unit(tok_dir: str, unit: int, encoded, dtype) -> dict:
     record = {"unit": unit, "splits": {}}
     for split, want_val in (("train", False), ("val", True)):
@@ -229,12 +196,12 @@ def _write_unit(tok_dir: str, unit: int, encoded, dtype) -> dict:
         tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=dtype)
         ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
         base = os.path.join(tok_dir, f"shard_{unit:05d}.{split}")
-        _atomic_write(base + ".bin", tokens.tobytes())
-        _atomic_write(base + ".idx", ends.tobytes())
+        write_atomic(base + ".bin", tokens.tobytes())
+        write_atomic(base + ".idx", ends.tobytes())
         record["splits"][split] = {"documents": len(docs), "tokens": int(tokens.size), "bytes": int(tokens.nbytes),
                                    "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
                                    "quick": quick_digest(base + ".bin")}
-    _atomic_write(os.path.join(tok_dir, f"shard_{unit:05d}.json"), json.dumps(record, indent=1).encode())
+    write_atomic(os.path.join(tok_dir, f"shard_{unit:05d}.json"), json.dumps(record, indent=1).encode())
     return record
 
 
@@ -283,7 +250,7 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
             raise DataError(f"tokenizer not found: {tokenizer}")
         if os.path.abspath(tokenizer) != os.path.abspath(model_path):
             with open(tokenizer, "rb") as src:
-                _atomic_write(model_path, src.read())
+                write_atomic(model_path, src.read())
     elif not os.path.exists(model_path):
         sample = []
         for _, text in iter_texts(rows(), text_column, skip_empty):
@@ -310,7 +277,7 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
             diff = {k: (old.get(k), v) for k, v in asdict(plan).items() if old.get(k) != v}
             raise DataError(f"{out_dir} was started with other settings {diff}; use a new --out or delete it")
     else:
-        _atomic_write(plan_path, json.dumps(asdict(plan), indent=1).encode())
+        write_atomic(plan_path, json.dumps(asdict(plan), indent=1).encode())
 
     # 3. tokenize unit by unit in worker processes, skipping units already written
     def units():
@@ -356,7 +323,7 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
     meta = {"format": "fpscale-token-shards-1", "complete": True, **asdict(plan), "eos_id": sp.eos_id(),
             "counts": counts,
             "shards": [{"unit": u, **{s: records[u]["splits"][s] for s in ("train", "val")}} for u in sorted(records)]}
-    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    write_atomic(meta_path, json.dumps(meta, indent=1).encode())
     return meta
 
 

@@ -14,7 +14,8 @@ import os
 import numpy as np
 import torch
 
-from fpscale.data.fineweb import DataError, quick_digest, sha256_file
+from fpscale.errors import DataError
+from fpscale.files import quick_digest, sha256_file
 
 
 class TokenShards:

@@ -15,29 +15,10 @@ from __future__ import annotations
 import json
 import os
 
-
-from fpscale.config import Config
-from fpscale.eval.validate import validate, validate_depths
-from fpscale.models import build_model
 from fpscale.parallel.parallelize import parallelize
 from fpscale.train import checkpoint
-from fpscale.typed import from_dict
-
-
-def load_whole_model(folder: str, state, overrides: dict | None = None):
-    """(model with the checkpoint's whole weights, its Config), ready to be parallelized."""
-    if checkpoint.read_meta(folder)["kind"] == "deepspeed":
-        checkpoint.prepare_universal(folder, state)    # once, before every rank reads it
-    weights, config = checkpoint.consolidate(folder)
-    for key, value in (overrides or {}).items():
-        config.setdefault(key, {}).update(value)
-    cfg = from_dict(Config, config)
-    model = build_model(cfg)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise checkpoint.CheckpointError(f"{folder} does not fit the model of its own config: missing {missing}, "
-                                         f"unexpected {unexpected}")
-    return model, cfg
+from fpscale.train.trainer import build_datasets
+from fpscale.train.validation import validate, validate_depths
 
 
 def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None,
@@ -49,11 +30,10 @@ def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | No
         report = evaluate_checkpoint("runs/x/checkpoints/step_00000300", state, "out", depths=[1, 4, 16])
         [(r["depth"], r["val_loss"]) for r in report["depths"]]
     """
-    from fpscale.train.trainer import build_datasets
     problem = checkpoint.verify_together(folder, state)     # every rank hashes a share
     if problem:
         raise checkpoint.CheckpointError(f"cannot evaluate {folder}: {problem}")
-    model, cfg = load_whole_model(folder, state)
+    model, cfg = checkpoint.load_model(folder, state)
     model = parallelize(model, state).to(state.device)
     _, val = build_datasets(cfg)
     t = cfg.train

@@ -1,14 +1,13 @@
-"""Sharded checkpoints: save, verify, find, resume on the same or another layout, consolidate.
+"""Sharded checkpoints: save, verify, find, convert to a universal checkpoint, load whole weights.
 
     runs/<name>/checkpoints/
         step_00000008/                 one complete checkpoint, published by a rename
             mp_rank_*_model_states.pt, *_optim_states.pt    DeepSpeed's shards (several processes)
             model.pt, optim.pt         the same for one process
-            fpscale_rank00000.pt       per rank: step, loader record, RNG streams, buffers
+            fpscale_rank00000.pt       per rank: step, its place in the layout, RNG streams, buffers
             meta.json                  step, layout, fingerprints, resolved config, TP split metadata
             manifest.json              size and sha256 of every file above (and which rank hashed
                                        how many bytes); written last
-        latest                         the newest published tag, replaced after the rename
         .partial/step_.../             a save in progress: never read, cleared by the next save
         universal/step_.../            DeepSpeed's universal checkpoint, made once on a layout change
 
@@ -18,10 +17,9 @@ Hashing is shared: the files are dealt to the ranks by size (``deal``), each ran
 share on save and on resume, so no rank reads more than about 1/world of a checkpoint; the
 coordination of a save runs on a gloo group whose timeout grows with the bytes saved
 (``save_timeout_s``), beside the compute group's ``parallel.timeout_s``.
-The same layout loads DeepSpeed's own shards (exact continuation: optimizer, RNG, data order);
-another TP / DP size or ZeRO stage loads through DeepSpeed's universal checkpoint, converted
-automatically; the data order continues from the global sample count either way.
-Everything fpscale writes loads with ``torch.load(weights_only=True)``.
+Resuming a run from one is fpscale/train/resume.py; ``whole_weights`` (and ``load_model`` on it)
+reads the whole weights of a checkpoint of any layout, for evaluation, export and
+``train.init_weights``. Everything fpscale writes loads with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -37,9 +35,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from fpscale.config import config_to_dict
-from fpscale.data.fineweb import sha256_file
+from fpscale.config import Config, config_to_dict
+from fpscale.files import fsync_dir, sha256_file, write_atomic
+from fpscale.log import get_logger
+from fpscale.models import build_model
 from fpscale.parallel.layers import shard, unshard
+from fpscale.train.state import TrainState
+from fpscale.typed import from_dict
+
+log = get_logger(__name__)
 
 CHECKPOINTS = "checkpoints"
 TAG = re.compile(r"^step_(\d{8})$")
@@ -139,7 +143,7 @@ def write_manifest(folder: str, shares: list[dict[str, dict]] | None = None) -> 
     shares = shares if shares is not None else [hash_share(folder)]
     files = {rel: entry for share in shares for rel, entry in sorted(share.items())}
     hashed = {str(r): sum(e["bytes"] for e in share.values()) for r, share in enumerate(shares)}
-    _write_atomic(os.path.join(folder, "manifest.json"),
+    write_atomic(os.path.join(folder, "manifest.json"),
                   json.dumps({"files": dict(sorted(files.items())), "hashed_bytes_by_rank": hashed}, indent=1))
 
 
@@ -185,23 +189,6 @@ def save_timeout_s(parallel, num_params: int) -> float:
     return parallel.timeout_s + seconds_to_write + seconds_to_hash
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def published(root: str) -> list[str]:
     """Published checkpoint folders under ``root``, newest first."""
     if not os.path.isdir(root):
@@ -228,37 +215,31 @@ def newest_complete(root: str, state=None) -> str | None:
 
 
 # -- save ----------------------------------------------------------------------------------------
-def save(trainer) -> str:
-    """Write a checkpoint of the trainer's current step; every rank calls it. Returns the folder."""
-    state, cfg = trainer.state, trainer.cfg
-    root = os.path.join(trainer.run_dir, CHECKPOINTS)
-    tag = tag_for(trainer.step)
+def save(run_dir: str, cfg: Config, state, model, optimizer, engine, progress: TrainState) -> str:
+    """Write a checkpoint of ``progress.step`` under ``run_dir/checkpoints``; every rank calls it.
+    ``engine`` is the DeepSpeed engine (None on one process, which saves ``model`` and
+    ``optimizer`` itself). Returns the published folder."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    tag = tag_for(progress.step)
     partial = os.path.join(root, ".partial")
     work = os.path.join(partial, tag)
     if state.is_main:
         shutil.rmtree(work, ignore_errors=True)          # left by a save that was killed
         os.makedirs(work)
     barrier(state)
-    materialize_adam_state(trainer.optimizer)
-    if trainer.engine is not None:
-        trainer.engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
-            "universal_checkpoint_info": universal_info(trainer.model, state.tp_size)})
+    materialize_adam_state(optimizer)
+    if engine is not None:
+        engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
+            "universal_checkpoint_info": universal_info(model, state.tp_size)})
     else:
-        torch.save(trainer.model.state_dict(), os.path.join(work, "model.pt"))
-        torch.save(trainer.optimizer.state_dict(), os.path.join(work, "optim.pt"))
-    torch.save(rank_state(trainer), os.path.join(work, rank_file(state.rank)))
+        torch.save(model.state_dict(), os.path.join(work, "model.pt"))
+        torch.save(optimizer.state_dict(), os.path.join(work, "optim.pt"))
+    torch.save(rank_state(model, progress, state), os.path.join(work, rank_file(state.rank)))
     if state.is_main:
-        meta = {"step": trainer.step, "kind": "deepspeed" if trainer.engine is not None else "single",
-                "tp": state.tp_size, "dp": state.dp_size, "world": state.world_size,
-                "zero_stage": cfg.parallel.zero_stage if trainer.engine is not None else None,
-                "model_fingerprint": fingerprint(whole_shapes(trainer.model, state.tp_size)),
-                "data_fingerprint": trainer.batches.state().fingerprint,
-                "consumed_samples": trainer.batches.consumed_samples, "skipped_steps": trainer.skipped_steps,
-                "split": split_info(trainer.model), "shapes": whole_shapes(trainer.model, state.tp_size),
-                "config": config_to_dict(trainer.cfg)}
-        _write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
+        meta = describe(cfg, state, model, engine is not None, progress)
+        write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
     barrier(state)
-    fault_point("save", trainer.step)
+    fault_point("save", progress.step)
     listing = [_files(work) if state.is_main else None]
     if state.distributed:
         dist.broadcast_object_list(listing, src=0, group=state.host_group)
@@ -272,11 +253,22 @@ def save(trainer) -> str:
         write_manifest(work, shares)                              # last: marks the folder complete
         shutil.rmtree(target, ignore_errors=True)
         os.replace(work, target)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, "latest"), tag + "\n")
+        fsync_dir(root)
         rotate(root, cfg.train.keep_last)
+        log.info("saved checkpoint %s", target)
     barrier(state)
     return target
+
+
+def describe(cfg: Config, state, model, deepspeed: bool, progress: TrainState) -> dict:
+    """meta.json: the counters, the layout saved on, what the model and data are (fingerprints,
+    whole shapes, TP split) and the resolved config."""
+    shapes = whole_shapes(model, state.tp_size)
+    return {**progress.counters(), "kind": "deepspeed" if deepspeed else "single",
+            "tp": state.tp_size, "dp": state.dp_size, "world": state.world_size,
+            "zero_stage": cfg.parallel.zero_stage if deepspeed else None,
+            "model_fingerprint": fingerprint(shapes), "data_fingerprint": progress.batches.state().fingerprint,
+            "split": split_info(model), "shapes": shapes, "config": config_to_dict(cfg)}
 
 
 def materialize_adam_state(optimizer) -> None:
@@ -301,12 +293,12 @@ def rotate(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, "universal", os.path.basename(folder)), ignore_errors=True)
 
 
-def rank_state(trainer) -> dict:
-    from fpscale.parallel.random import rng_state
-    s = trainer.state
-    return {"step": trainer.step, "rank": s.rank, "tp_rank": s.tp_rank, "dp_rank": s.dp_rank,
-            "rng": rng_state(trainer.rng, trainer.device),
-            "buffers": {n: b.detach().cpu() for n, b in trainer.model.named_buffers()}}
+def rank_state(model, progress: TrainState, state) -> dict:
+    """This rank's file: where it sits in the layout, its random streams and the model's buffers
+    (e.g. power-iteration vectors, which no optimizer holds)."""
+    sd = progress.state_dict()
+    return {"step": sd["step"], "rank": state.rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
+            "rng": sd["rng"], "buffers": {n: b.detach().cpu() for n, b in model.named_buffers()}}
 
 
 def barrier(state) -> None:
@@ -324,45 +316,14 @@ def fault_point(where: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# -- resume --------------------------------------------------------------------------------------
-def resolve(resume: str, run_dir: str, state) -> str | None:
-    """The checkpoint folder to resume from (``auto``: the newest complete one; ``none``; or a
-    path), decided on rank 0 and the same on every rank."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return newest_complete(os.path.join(run_dir, CHECKPOINTS), state)
-    problem = verify_together(resume, state)
-    if problem:
-        raise CheckpointError(f"train.resume = {resume}: {problem}")
-    return resume
-
-
+# -- read ----------------------------------------------------------------------------------------
 def read_meta(folder: str) -> dict:
-    return json.load(open(os.path.join(folder, "meta.json")))
-
-
-def same_layout(meta: dict, state, zero_stage: int, distributed: bool) -> bool:
-    kind = "deepspeed" if distributed else "single"
-    return (meta["kind"] == kind and meta["tp"] == state.tp_size and meta["dp"] == state.dp_size
-            and (not distributed or meta["zero_stage"] == zero_stage))
-
-
-def check_compatible(meta: dict, trainer) -> None:
-    """Refuse a checkpoint of another model shape or data, naming what differs."""
-    want = fingerprint(whole_shapes(trainer.model, trainer.state.tp_size))
-    if meta["model_fingerprint"] != want:
-        raise CheckpointError(f"the checkpoint's model has other tensor shapes (fingerprint "
-                              f"{meta['model_fingerprint']} vs {want}): its model section is "
-                              f"{json.dumps(meta['config']['model'])[:400]}")
-    data = trainer.batches.state().fingerprint
-    if meta["data_fingerprint"] != data:
-        raise CheckpointError(f"the checkpoint was trained on other data (fingerprint {meta['data_fingerprint']}, "
-                              f"this run's {data}): its data section is {meta['config']['data']}")
-    if meta["config"]["train"]["global_batch"] != trainer.cfg.train.global_batch:
-        raise CheckpointError(f"train.global_batch = {trainer.cfg.train.global_batch} differs from the "
-                              f"checkpoint's {meta['config']['train']['global_batch']}: the sample stream "
-                              "would not continue")
+    path = os.path.join(folder, "meta.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {folder} is no fpscale checkpoint folder "
+                              f"(runs/<name>/checkpoints/step_...)")
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def prepare_universal(folder: str, state) -> None:
@@ -428,34 +389,42 @@ def load_buffers(model, whole: dict[str, torch.Tensor], state) -> None:
             buf.copy_(value.to(buf.device, buf.dtype))
 
 
-def export_safetensors(folder: str, out: str) -> None:
-    """A checkpoint's whole weights (any layout) as ``out/model.safetensors`` plus ``out/config.yaml``."""
-    import yaml
-    from safetensors.torch import save_file
-    state, config = consolidate(folder)
-    os.makedirs(out, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.yaml"), "w") as fh:
-        yaml.safe_dump(config, fh, sort_keys=False)
-
-
-def load_safetensors(model, folder: str) -> None:
-    """Whole weights from ``folder/model.safetensors`` into a plain (not yet parallelized) model."""
-    from safetensors.torch import load_file
-    path = os.path.join(folder, "model.safetensors") if os.path.isdir(folder) else folder
-    if not os.path.exists(path):
-        raise CheckpointError(f"train.init_weights: {path} does not exist")
-    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{path} does not fit this model: missing {missing}, unexpected {unexpected}")
-
-
-def consolidate(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(whole state dict, resolved config) of a checkpoint of any layout, on one process."""
-    meta = read_meta(folder)
+def whole_weights(source: str, state=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(whole state dict, resolved config) of ``source``: a checkpoint of any layout (one process,
+    DeepSpeed ZeRO 0-3, any TP x DP) or exported weights (a folder with model.safetensors and
+    config.yaml, or the .safetensors file). The one way fpscale loads whole weights: evaluation,
+    export and ``train.init_weights`` all call it. With ``state`` every rank calls it, and rank 0
+    converts a DeepSpeed checkpoint to a universal one (once) while the others wait."""
+    exported = source if source.endswith(".safetensors") else os.path.join(source, "model.safetensors")
+    if os.path.exists(exported):
+        return _exported(exported)
+    if not os.path.exists(os.path.join(source, "meta.json")):
+        raise CheckpointError(f"{source} holds neither a checkpoint (meta.json) nor exported weights "
+                              f"(model.safetensors): give a runs/<name>/checkpoints/step_... folder or the "
+                              f"output of launch/convert.py")
+    meta = read_meta(source)
     if meta["kind"] == "single":
-        sd = torch.load(os.path.join(folder, "model.pt"), map_location="cpu", weights_only=True)
-        return sd, meta["config"]
+        return torch.load(os.path.join(source, "model.pt"), map_location="cpu", weights_only=True), meta["config"]
+    if state is not None:
+        prepare_universal(source, state)
+    return _from_universal(source, meta), meta["config"]
+
+
+def _exported(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Exported weights and the config beside them ({} where there is none)."""
+    import yaml
+    from safetensors.torch import load_file
+    config_path = os.path.join(os.path.dirname(path), "config.yaml")
+    config = {}
+    if os.path.exists(config_path):
+        with open(config_path) as fh:
+            config = yaml.safe_load(fh)
+    return load_file(path), config
+
+
+def _from_universal(folder: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The whole state dict of a DeepSpeed checkpoint: parameters from its universal checkpoint
+    (converted on the first call), buffers merged from the rank files."""
     universal = universal_folder(folder)
     buffers = whole_buffers(folder, meta)
     sd = {}
@@ -472,4 +441,31 @@ def consolidate(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
             raise CheckpointError(f"{path}: {value.numel()} values for {name} of shape {shape}")
         sd[name] = value.reshape(shape)
     sd.update(buffers)
-    return sd, meta["config"]
+    return sd
+
+
+def load_model(source: str, state=None, cfg: Config | None = None):
+    """(plain model holding the whole weights of ``source``, its Config), ready for
+    ``parallelize``; the model is built from ``cfg``, or else from the config saved with
+    ``source``. ``source`` and ``state`` as for :func:`whole_weights`."""
+    weights, config = whole_weights(source, state)
+    if cfg is None:
+        if not config:
+            raise CheckpointError(f"{source} has no config.yaml beside its weights: give the model's config")
+        cfg = from_dict(Config, config)
+    model = build_model(cfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{source} does not fit this model: missing {missing}, unexpected {unexpected}")
+    return model, cfg
+
+
+def export_safetensors(source: str, out: str) -> None:
+    """The whole weights of ``source`` (any layout) as ``out/model.safetensors`` plus ``out/config.yaml``."""
+    import yaml
+    from safetensors.torch import save_file
+    weights, config = whole_weights(source)
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.yaml"), "w") as fh:
+        yaml.safe_dump(config, fh, sort_keys=False)

@@ -9,6 +9,10 @@ import time
 
 import numpy as np
 
+from fpscale.log import get_logger
+
+log = get_logger(__name__)
+
 
 def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
     """Aggregate per-step solver stats of each layer over a log interval."""
@@ -65,9 +69,9 @@ class MetricsWriter:
         mfu = (f" mfu {record['mfu_executed']:.1%}/{record['mfu_nominal']:.1%}" if "mfu_executed" in record
                else f" {record['tflops_executed'] * 1e3:.1f}/{record['tflops_nominal'] * 1e3:.1f} GFLOP/s")
         skipped = f" skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
-        print(f"step {step:>6}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-              f"gnorm {record['grad_norm']:.3f}{skipped} {record['tokens_per_s']:,.0f} tok/s{mfu} "
-              f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}", flush=True)
+        log.info(f"step {step:>6}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                 f"gnorm {record['grad_norm']:.3f}{skipped} {record['tokens_per_s']:,.0f} tok/s{mfu} "
+                 f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}")
 
     def close(self) -> None:
         """Flush and close; closing again does nothing."""

@@ -16,19 +16,24 @@ import yaml
 
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
-from fpscale.eval.validate import depth_scalars, validate, validate_depths
+from fpscale.log import get_logger
 from fpscale.models import build_model
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
-from fpscale.parallel.random import RNGTracker, load_rng_state, seed_default_stream
-from fpscale.train import checkpoint
+from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
-from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
+from fpscale.train import checkpoint
 from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
+from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.optim import AdamW
+from fpscale.train.resume import plan_resume, resume
 from fpscale.train.schedule import lr_at
 from fpscale.train.signals import Preemption
+from fpscale.train.state import TrainState
+from fpscale.train.validation import depth_scalars, validate, validate_depths
+
+logger = get_logger(__name__)
 
 
 def build_datasets(cfg: Config):
@@ -45,13 +50,27 @@ def build_datasets(cfg: Config):
     return train, val
 
 
+def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
+    """The plain model every rank starts from: built from ``cfg.seed`` (the same initial weights
+    on every rank), or holding the whole weights of ``train.init_weights``."""
+    torch.manual_seed(cfg.seed)
+    if not cfg.train.init_weights:
+        return build_model(cfg)
+    try:
+        model, _ = checkpoint.load_model(cfg.train.init_weights, state, cfg)
+    except checkpoint.CheckpointError as exc:
+        raise checkpoint.CheckpointError(f"train.init_weights: {exc}") from None
+    return model
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; skip 1-D parameters (norms, biases, scalars) and embeddings."""
+    """Decay matrices; skip 1-D parameters (biases, scalars), embeddings and norms by name (the
+    looped core stacks its norm weights per block: 2-D, yet no matrix)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or "embed" in name else decay).append(p)
+        (no_decay if p.dim() < 2 or "embed" in name or "norm" in name else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -69,6 +88,22 @@ def collect_solver_stats(model, into: dict[str, list]) -> None:
 
 def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
     return {name: [s.to_dict() for s in rows] for name, rows in window.items()}
+
+
+def validation_lines(record: dict) -> list[str]:
+    """The console report of a validation record: loss and perplexity, each looped layer's
+    iterations, and the depth sweep when there is one."""
+    lines = [f"validation at step {record['step']}: loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}"]
+    for name, st in record["layers"].items():
+        lines.append(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
+                     f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
+                     f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}")
+    for r in record.get("depths", []):
+        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{st['iters_mean']:.1f}"
+                         for name, st in r["layers"].items())
+        lines.append(f"  depth {r['depth']:>4}: loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"
+                     f"{'  iters ' + iters if iters else ''}")
+    return lines
 
 
 def deepspeed_config(cfg: Config, plan: BatchPlan, load_universal: bool = False) -> dict:
@@ -106,40 +141,36 @@ class Trainer:
         self.batch = resolve_batch(t, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
         if self.state.is_main and log:
-            print(self.batch.describe(cfg.data.seq_len), flush=True)
-        torch.manual_seed(cfg.seed)           # the same initial weights on every rank
+            logger.info(self.batch.describe(cfg.data.seq_len))
         self.device = self.state.device
-        model = build_model(cfg)
-        if t.init_weights:
-            checkpoint.load_safetensors(model, t.init_weights)
+        model = initial_model(cfg, self.state)
         seed_default_stream(cfg.seed, self.state)
-        self.rng = RNGTracker.for_tp(cfg.seed, self.state)
-        self.model = parallelize(model, self.state, self.rng).to(self.device)
+        rng = RNGTracker.for_tp(cfg.seed, self.state)
+        self.model = parallelize(model, self.state, rng).to(self.device)
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
+        self.progress = TrainState(self.batches, rng)
         optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
-        self.skipped_steps = 0
-        self.step = 0
         self.run_dir = os.path.join(t.out_dir, cfg.name)
-        self.resume_from = checkpoint.resolve(t.resume, self.run_dir, self.state)
-        universal = self._prepare_resume() if self.resume_from else False
+        plan = plan_resume(cfg, self.state, self.run_dir, self.model, self.progress)
         self.engine = None
         if self.state.distributed:
             import deepspeed
             if cfg.parallel.zero_stage == 3 and self.model.lm_head is None:
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
+            universal = plan is not None and plan.universal
             self.engine, optimizer, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer,
                 config={**deepspeed_config(cfg, self.batch, universal), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
         self.optimizer = optimizer
-        if self.resume_from:
-            self._load(self.resume_from, universal)
+        if plan is not None:
+            resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
         self.preempted = False
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log)
@@ -158,58 +189,15 @@ class Trainer:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(wait_for_peers=exc_type is None)
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    def _prepare_resume(self) -> bool:
-        """Check the chosen checkpoint fits; True when it must load through a universal checkpoint
-        (another layout), which rank 0 converts before DeepSpeed is initialised."""
-        meta = checkpoint.read_meta(self.resume_from)
-        checkpoint.check_compatible(meta, self)
-        distributed = self.state.distributed
-        if checkpoint.same_layout(meta, self.state, self.cfg.parallel.zero_stage, distributed):
-            return False
-        zero = meta["zero_stage"]
-        where = f"tp {meta['tp']} x dp {meta['dp']}, " + (f"ZeRO-{zero}" if zero is not None else "one process")
-        if not distributed or meta["kind"] != "deepspeed" or zero == 0:
-            raise checkpoint.CheckpointError(
-                f"{self.resume_from} was saved on {where}; it resumes on another layout only from a DeepSpeed "
-                f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
-        if self.state.is_main:
-            print(f"resuming {self.resume_from} (saved on {where}) through a universal checkpoint", flush=True)
-        checkpoint.prepare_universal(self.resume_from, self.state)
-        return True
-
-    def _load(self, folder: str, universal: bool) -> None:
-        meta = checkpoint.read_meta(folder)
-        tag = os.path.basename(folder)
-        if self.engine is not None:
-            load_dir = os.path.join(os.path.dirname(folder), "universal") if universal else os.path.dirname(folder)
-            path, _ = self.engine.load_checkpoint(load_dir, tag=tag)
-            if path is None:
-                raise checkpoint.CheckpointError(f"DeepSpeed found no checkpoint {tag} in {load_dir}")
-        else:
-            self.model.load_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location=self.device,
-                                                  weights_only=True))
-            self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optim.pt"), map_location=self.device,
-                                                      weights_only=True))
-        self.step, self.skipped_steps = meta["step"], meta["skipped_steps"]
-        self.batches.consumed_samples = meta["consumed_samples"]
-        if universal:        # other ranks, other streams: restart them from (seed, step); buffers merged
-            checkpoint.load_buffers(self.model, checkpoint.whole_buffers(folder, meta), self.state)
-            seed_default_stream(self.cfg.seed + self.step, self.state)
-            self.rng.states = RNGTracker.for_tp(self.cfg.seed + self.step, self.state).states   # shards hold self.rng
-        else:
-            mine = torch.load(os.path.join(folder, checkpoint.rank_file(self.state.rank)), map_location="cpu",
-                              weights_only=True)
-            load_rng_state(mine["rng"], self.rng, self.device)
-        if self.state.is_main:
-            print(f"resumed from {folder} at step {self.step} ({meta['consumed_samples']} samples consumed)",
-                  flush=True)
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (skipped ones included): ``progress.step``."""
+        return self.progress.step
 
     def save_checkpoint(self) -> str:
-        path = checkpoint.save(self)
-        if self.state.is_main:
-            print(f"saved checkpoint {path}", flush=True)
-        return path
+        """A checkpoint of the current step (every rank calls it); returns its folder."""
+        return checkpoint.save(self.run_dir, self.cfg, self.state, self.model, self.optimizer, self.engine,
+                               self.progress)
 
     def autocast(self):
         """bf16 autocast for ``train.precision: bf16`` (parameters and optimizer stay fp32)."""
@@ -220,8 +208,8 @@ class Trainer:
         t = self.cfg.train
         model = self.model
         model.train()
-        model.set_step(self.step)
-        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup, t.steps)
+        model.set_step(self.progress.step)
+        lr = lr_at(self.progress.step, t.lr, t.min_lr, t.warmup, t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.batches.next_global_batch()
@@ -261,8 +249,8 @@ class Trainer:
         # update too: whether to skip it); per-micro-batch values never leave the device
         total, grad_norm = torch.stack([total, grad_norm]).tolist()
         skipped = not math.isfinite(grad_norm)
-        self.skipped_steps += skipped
-        self.step += 1
+        self.progress.skipped_steps += skipped
+        self.progress.step += 1
         return {"loss": total, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "layer_stats": layer_stats,
                 "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
 
@@ -324,8 +312,8 @@ class Trainer:
         tokens, t_last = 0, time.perf_counter()
         preemption = Preemption()
         end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
-        if self.step >= end and self.state.is_main:
-            print(f"nothing to train: resumed at step {self.step} of train.steps = {t.steps}", flush=True)
+        if self.step >= end:
+            logger.info("nothing to train: resumed at step %d of train.steps = %d", self.step, t.steps)
         while self.step < end:
             out = self.train_step()
             tokens += out["tokens"]
@@ -336,7 +324,7 @@ class Trainer:
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
                 layers = summarize_layers(as_dicts(window))
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
-                          "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.skipped_steps,
+                          "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
                           "tokens_per_s": tokens_per_s,
                           **self.compute_record(layers, tokens_per_s), "layers": layers}
                 self.metrics.log(record)
@@ -348,23 +336,13 @@ class Trainer:
                 self.metrics.log(record, prefix="val")
                 history.append(record)
                 if self.metrics.enabled:
-                    print(f"validation at step {self.step}: loss {record['val_loss']:.4f} "
-                          f"ppl {record['val_ppl']:.2f}", flush=True)
-                    for name, st in record["layers"].items():
-                        print(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
-                              f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
-                              f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}", flush=True)
-                    for r in record.get("depths", []):
-                        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{st['iters_mean']:.1f}"
-                                         for name, st in r["layers"].items())
-                        print(f"  depth {r['depth']:>4}: loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"
-                              f"{'  iters ' + iters if iters else ''}", flush=True)
+                    for line in validation_lines(record):
+                        logger.info(line)
             if preemption.agreed(self.state):
                 self.save_checkpoint()
                 self.preempted = True
-                if self.state.is_main:
-                    print(f"preempted (signal {preemption.received or 'on another rank'}): saved step {self.step}",
-                          flush=True)
+                logger.info("preempted (signal %s): saved step %d", preemption.received or "on another rank",
+                            self.step)
                 break
             if t.save_interval and self.step % t.save_interval == 0 and self.step < end:
                 self.save_checkpoint()
