@@ -16,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 from common import print_table, write_json
 
 from fpscale.data.fineweb import _encode_unit, _init_worker
 from fpscale.data.loader import DistributedBatches
 from fpscale.data.shards import TokenShards
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tokenization(corpus: str, model: str, workers: int, docs_per_unit: int = 64) -> dict:

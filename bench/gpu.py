@@ -21,9 +21,9 @@ import os
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
 from common import print_table, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def trainer_for(path: str, micro: int, steps: int, extra: list[str]):
@@ -43,6 +43,7 @@ def sync(device):
 
 def throughput(path: str, args, flash: str) -> dict:
     import torch
+
     from fpscale.train.metrics import summarize_layers
     from fpscale.train.trainer import as_dicts
     os.environ["FPSCALE_FLASH_ATTN"] = flash

@@ -19,7 +19,6 @@ import statistics
 import time
 
 import torch
-
 from common import print_table, write_json
 
 from fpscale.models import ModelConfig, layer_spec

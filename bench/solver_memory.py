@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from common import print_table, write_json
 
 from fpscale.profiling import count_saved_bytes

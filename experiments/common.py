@@ -96,6 +96,7 @@ def run_key(cfg) -> str:
     """A hash of the resolved config, without where the run is written: the same model, data and
     recipe give the same key (so a kept run is reused only for exactly that setting)."""
     import hashlib
+
     from fpscale.config import config_to_dict
     d = config_to_dict(cfg)
     d.pop("name", None)
@@ -145,7 +146,8 @@ def train_lm(config: str, overrides: Sequence[str], name: str, out_dir: str, eva
              reuse: bool = False, data: str = os.path.join(ROOT, "cache/corpus/tokens")) -> dict:
     """Train ``configs/<config>.yaml`` with ``overrides`` through fpscale.train.Trainer (one
     process) and return {val_loss, val_ppl, layers, history, params, wall_s, flops...}, also kept in
-    ``out_dir/<name>.result.json``; with ``reuse`` a kept run of the same resolved config (:func:`run_key`) is returned."""
+    ``out_dir/<name>.result.json``; with ``reuse`` a kept run of the same resolved config
+    (:func:`run_key`) is returned."""
     import fpscale
     from fpscale.train.trainer import Trainer
     path = config if config.endswith(".yaml") else os.path.join(ROOT, "configs", f"{config}.yaml")

@@ -19,8 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import (QUICK_LM, Timer, parse_args, plot_val_curves, plt, save,  # noqa: E402
-                                table, train_lm)
+from experiments.common import QUICK_LM, Timer, parse_args, plot_val_curves, plt, save, table, train_lm  # noqa: E402
 
 STACKS = {     # name -> (config, overrides)
     "attn": ("tiny_attn", []),

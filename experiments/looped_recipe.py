@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from experiments.common import (QUICK_LM, Timer, parse_args, plot_val_curves, plt, save,  # noqa: E402
-                                table, train_lm)
+from experiments.common import QUICK_LM, parse_args, plot_val_curves, plt, save, table, train_lm  # noqa: E402
 
 CORE = "model.layers.1"
 BASE = [f"{CORE}.a1_init=0.5", f"{CORE}.a2_init=0.5"]      # the core's scalings before issue #17

@@ -9,7 +9,7 @@ The claims tested: only the fixed-point model tracks the state at the training l
 (Figs. 2a, 4); its iteration count grows with the sequence length (Fig. 3c); and (Fig. 1) accuracy
 falls once the training cap (max_iter 2, 4, 8, 16) is below the training length.
 
-    PYTHONPATH=. python experiments/state_tracking.py             # full (S3, A5): 6.5 min idle (--threads 2), 18 min shared
+    PYTHONPATH=. python experiments/state_tracking.py          # full (S3, A5): 6.5 min idle (--threads 2)
     PYTHONPATH=. python experiments/state_tracking.py --quick     # seconds: pipeline check
 
 Scale-down (README): the paper trains 1.25M steps at batch 512 (640M sequences) with lr 1e-4; here
@@ -30,8 +30,7 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from experiments.common import (Timer, eval_aligned, parse_args, plt, save, small_model, table,  # noqa: E402
-                                train_aligned)
+from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask, group_elements  # noqa: E402
 
 D = 64
@@ -93,7 +92,8 @@ def main():
     with Timer() as total:
         for g in groups:
             for name, (layers, solver) in MODELS.items():
-                results["main"][f"{g}|{name}"] = run_one(g, name, layers, solver, steps, batch, lr, n_eval, lengths, keep)
+                results["main"][f"{g}|{name}"] = run_one(g, name, layers, solver, steps, batch, lr, n_eval,
+                                                         lengths, keep)
         cap_group, cap_model = groups[0], "FP-Mamba 1L Householder r4"
         layers, solver = MODELS[cap_model]
         for cap in caps:

@@ -13,9 +13,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from fpscale.data.config import DataConfig
 import torch
 
+from fpscale.data.config import DataConfig
 from fpscale.errors import check, warn
 from fpscale.models.config import ModelConfig
 from fpscale.parallel.config import ParallelConfig

@@ -19,6 +19,7 @@ import yaml
 
 from fpscale.errors import ConfigError
 
+
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))

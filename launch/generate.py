@@ -1,52 +1,11 @@
 """Generate text from a trained model (greedy by default; cached decoding).
 
-    python launch/generate.py --model runs/tiny_mixed/final --prompt "Fellow-Citizens of the Senate"
+The command itself is fpscale/cli/generate.py (installed as ``fpscale-generate``); this file is its
+script form, for ``python launch/generate.py``, ``deepspeed launch/generate.py`` and ``torchrun``.
 """
-from __future__ import annotations
-
-import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="folder with model.safetensors and config.yaml")
-    ap.add_argument("--prompt", default="Fellow-Citizens of the Senate and House of Representatives:")
-    ap.add_argument("--tokenizer", help="SentencePiece model (default: next to the config's data.path)")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
-    args = ap.parse_args(argv)
-
-    import sentencepiece as spm
-    import torch
-    from safetensors.torch import load_file
-
-    import fpscale
-    cfg = fpscale.load_config(os.path.join(args.model, "config.yaml"))
-    model = fpscale.build_model(cfg)
-    missing, unexpected = model.load_state_dict(load_file(os.path.join(args.model, "model.safetensors")), strict=False)
-    if [k for k in missing if k != "lm_head"] or unexpected:
-        print(f"error: weights do not match the config (missing {missing}, unexpected {unexpected})", file=sys.stderr)
-        return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = model.to(device).eval()
-    tok_path = args.tokenizer or os.path.join(os.path.dirname(cfg.data.path.rstrip("/")), "tokenizer.model")
-    sp = spm.SentencePieceProcessor(model_file=tok_path)
-    prompt = torch.tensor([sp.encode(args.prompt)], device=device)
-    out = fpscale.generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed))
-    print(sp.decode(out[0].tolist()))
-    for name, st in model.solver_stats().items():
-        print(f"# {name}: {st.iterations} iterations on the last token ({st.stopped_by})", file=sys.stderr)
-    return 0
-
+from fpscale.cli.generate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,8 +6,8 @@ import torch
 
 import fpscale
 from fpscale import ConfigError
-from fpscale.errors import ConfigWarning
 from fpscale.config import config_to_dict
+from fpscale.errors import ConfigWarning
 
 
 def write(tmp_path, text):
@@ -28,7 +28,8 @@ def test_yaml_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("text,overrides,needle", [
-    ("solver:\n  max_iters: 3\n", [], "'solver.max_iters': unknown key for SolverConfig (did you mean 'solver.max_iter'?)"),
+    ("solver:\n  max_iters: 3\n", [],
+     "'solver.max_iters': unknown key for SolverConfig (did you mean 'solver.max_iter'?)"),
     ("", ["solver.damping=0"], "'solver.damping': must lie in (0, 1]"),
     ("", ["solver.max_iter=many"], "'solver.max_iter': expected an integer, got 'many'"),
     ("", ["solver.freeze_converged=1"], "'solver.freeze_converged': expected true or false"),

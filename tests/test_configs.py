@@ -117,6 +117,7 @@ def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
     """The seeds' live quantile stop (p = 0.25: 75% of the micro-batch converged), an evaluation
     cap above the training cap, tolerances that the run's precision resolves: nothing to warn about."""
     import warnings
+
     from fpscale.errors import ConfigWarning
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

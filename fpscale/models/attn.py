@@ -6,8 +6,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fpscale.models.common import (MLP, RMSNorm, TPSplit, Unsharded, attention_flops, init_linear, mlp_flops,
-                                   rope_span, self_attention, swiglu_hidden)
+from fpscale.models.common import (
+    MLP,
+    RMSNorm,
+    TPSplit,
+    Unsharded,
+    attention_flops,
+    init_linear,
+    mlp_flops,
+    rope_span,
+    self_attention,
+    swiglu_hidden,
+)
 from fpscale.models.registry import LayerSpec
 
 
@@ -29,7 +39,8 @@ class AttnSpec(LayerSpec):
         return heads_and_mlp(cfg)
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
-        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, swiglu_hidden(cfg.d_model, cfg.mlp_ratio)), 0.0
+        hidden = swiglu_hidden(cfg.d_model, cfg.mlp_ratio)
+        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, hidden), 0.0
 
 
 class Attention(torch.nn.Module):

@@ -27,7 +27,17 @@ import torch.nn.functional as F
 
 from fpscale.errors import check
 from fpscale.models.attn import heads_and_mlp
-from fpscale.models.common import MLP, RMSNorm, TPSplit, causal_conv, init_linear, linear, mlp_flops, swiglu_hidden, wide
+from fpscale.models.common import (
+    MLP,
+    RMSNorm,
+    TPSplit,
+    causal_conv,
+    init_linear,
+    linear,
+    mlp_flops,
+    swiglu_hidden,
+    wide,
+)
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops
 from fpscale.models.registry import FixedPointSpec

@@ -28,9 +28,21 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.models.attn import AttnBlock, heads_and_mlp
-from fpscale.models.common import (TPSplit, apply_rope, attention_score_flops, causal_attention, init_linear,
-                                   linear, merge_heads, mlp_flops, rms_norm, rope_span, spectral_normalize, split_heads,
-                                   swiglu_hidden)
+from fpscale.models.common import (
+    TPSplit,
+    apply_rope,
+    attention_score_flops,
+    causal_attention,
+    init_linear,
+    linear,
+    merge_heads,
+    mlp_flops,
+    rms_norm,
+    rope_span,
+    spectral_normalize,
+    split_heads,
+    swiglu_hidden,
+)
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.registry import FixedPointSpec
 

@@ -19,8 +19,19 @@ import torch
 
 from fpscale.errors import check
 from fpscale.models.attn import heads_and_mlp
-from fpscale.models.common import (TPSplit, attention_flops, causal_conv, init_linear, mlp_flops, rms_norm,
-                                   rope_span, self_attention, swiglu, swiglu_hidden, wide)
+from fpscale.models.common import (
+    TPSplit,
+    attention_flops,
+    causal_conv,
+    init_linear,
+    mlp_flops,
+    rms_norm,
+    rope_span,
+    self_attention,
+    swiglu,
+    swiglu_hidden,
+    wide,
+)
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.registry import FixedPointSpec
 
@@ -80,7 +91,8 @@ class LoopedCore(FixedPointLayer):
             init_linear(w, cfg.init_std)
         for w in (self.w_o, self.w_down):
             init_linear(w, out_std)
-        self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))   # [1]: DeepSpeed cannot broadcast 0-dim
+        # shape [1]: DeepSpeed cannot broadcast a 0-dim parameter
+        self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))
         self.a2_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a2_init)]))
         self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, CONV_WIDTH)) if spec.conv else None
 

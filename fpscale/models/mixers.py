@@ -28,7 +28,6 @@ it gathers v, x, y, applies Q whole (its small parameters replicated) and keeps 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fpscale.models.common import Unsharded, linear, wide
 
@@ -67,7 +66,8 @@ def coefficient_scale(kind: str, rank: int, negative_eigs: bool) -> float:
     return 2.0 if negative_eigs else 1.0
 
 
-def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool, std: float) -> dict[str, torch.nn.Parameter]:
+def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool,
+                      std: float) -> dict[str, torch.nn.Parameter]:
     def p(*shape, scale=std):
         return torch.nn.Parameter(torch.randn(*shape) * scale)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fpscale.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead, mark_tensor_parallel, shard
-from fpscale.parallel.mappings import (_all_reduce, copy_to_tp, gather_from_tp, reduce_from_tp,
-                                       scatter_to_tp)
+from fpscale.parallel.mappings import _all_reduce, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from fpscale.parallel.random import RNGTracker
 
 

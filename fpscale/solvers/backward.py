@@ -28,7 +28,10 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     z* is in the solver's state dtype; so are f(z*) here and the adjoint iterate."""
     z_in = z_star.detach().requires_grad_()
     fz = f(z_in).to(z_in.dtype)
-    keep = stats.token_converged if cfg.mask_unconverged else torch.isfinite(stats.sample_residual)[:, None].expand_as(stats.token_converged)
+    if cfg.mask_unconverged:
+        keep = stats.token_converged
+    else:
+        keep = torch.isfinite(stats.sample_residual)[:, None].expand_as(stats.token_converged)
     mask = _per_token(keep, fz).to(fz.dtype)
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
                                       stop_quantile=0.0, freeze_converged=False)

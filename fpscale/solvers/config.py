@@ -60,7 +60,9 @@ class SolverConfig:
     mask_unconverged: bool = True
 
     def validate(self, prefix: str = "") -> None:
-        key = (lambda name: f"{prefix}.{name}" if prefix else name)
+        def key(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
         check(self.max_iter >= 1, key("max_iter"), f"must be >= 1, got {self.max_iter}")
         check(self.eval_max_iter >= 0, key("eval_max_iter"),
               f"must be >= 0 (0 = max_iter), got {self.eval_max_iter}")

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+
 def map_dtype(like: torch.Tensor) -> torch.dtype:
     """The dtype a map's products run in: autocast's when it is on for the device, else ``like``'s."""
     kind = like.device.type

@@ -72,7 +72,8 @@ def test_jsonl_input_and_existing_tokenizer(tmp_path, prepared):
     meta = prepare(str(tmp_path / "out"), files=[str(path)], tokenizer=os.path.join(prepared, "tokenizer.model"),
                    docs_per_shard=4, workers=1, progress=False)
     assert meta["complete"] and meta["counts"]["train"]["documents"] + meta["counts"]["val"]["documents"] == 10
-    assert meta["tokenizer_sha256"] == json.load(open(os.path.join(prepared, "tokens", "metadata.json")))["tokenizer_sha256"]
+    tokens_meta = json.load(open(os.path.join(prepared, "tokens", "metadata.json")))
+    assert meta["tokenizer_sha256"] == tokens_meta["tokenizer_sha256"]
 
 
 def test_bad_input_errors(tmp_path, prepared):
@@ -101,6 +102,7 @@ def test_bad_input_errors(tmp_path, prepared):
 
 def test_hub_unreachable_fails_at_once(tmp_path, monkeypatch):
     import time
+
     from fpscale.data import fineweb
     monkeypatch.setattr(fineweb, "HUB_HOST", ("127.0.0.1", 9))     # nothing listens: refused at once
     t0 = time.time()

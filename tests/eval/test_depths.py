@@ -1,17 +1,15 @@
 """Evaluation depth: a looped layer iterates more in evaluation than in training
 (solver.eval_max_iter), and the depth sweep (test-time compute) of launch/evaluate.py --depths and
 of train.eval_depths writes one record per depth."""
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
 import fpscale
+from fpscale.cli.evaluate import main as evaluate_main
 from fpscale.config import config_from_dict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a tiny model with two looped layers whose solves converge slowly (tol 1e-6, no damping decay)
 TINY = {
     "name": "depths", "seed": 1234,
@@ -24,14 +22,6 @@ TINY = {
     "train": {"steps": 2, "micro_batch": 4, "global_batch": 4, "warmup": 1, "log_interval": 1,
               "eval_interval": 2, "eval_batches": 2},
 }
-
-
-def evaluate_cli():
-    """launch/evaluate.py as a module (launch/ is no package)."""
-    spec = importlib.util.spec_from_file_location("launch_evaluate", os.path.join(ROOT, "launch", "evaluate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_evaluation_iterates_past_the_training_cap():
@@ -86,7 +76,7 @@ def test_trainer_validates_at_each_eval_depth(trained):
 def test_evaluate_cli_sweeps_depths(trained, tmp_path, capsys):
     _, run = trained
     ckpt = run / "checkpoints" / "step_00000002"
-    assert evaluate_cli().main(["--checkpoint", str(ckpt), "--out", str(tmp_path), "--depths", "8,1,2"]) == 0
+    assert evaluate_main(["--checkpoint", str(ckpt), "--out", str(tmp_path), "--depths", "8,1,2"]) == 0
     report = json.load(open(tmp_path / "eval.json"))
     records = report["depths"]
     assert [r["depth"] for r in records] == [1, 2, 8]
@@ -106,14 +96,14 @@ def test_evaluate_cli_sweeps_depths(trained, tmp_path, capsys):
 
 def test_evaluate_cli_without_depths_writes_no_sweep(trained, tmp_path):
     _, run = trained
-    assert evaluate_cli().main(["--checkpoint", str(run / "checkpoints" / "step_00000002"),
+    assert evaluate_main(["--checkpoint", str(run / "checkpoints" / "step_00000002"),
                                 "--out", str(tmp_path)]) == 0
     assert "depths" not in json.load(open(tmp_path / "eval.json")) and not (tmp_path / "depth.png").exists()
 
 
 @pytest.mark.parametrize("depths", ["0,4", "a", "", "2,,4", "-1"])
 def test_evaluate_cli_rejects_bad_depths(depths, tmp_path, capsys):
-    assert evaluate_cli().main(["--checkpoint", str(tmp_path), "--depths", depths]) == 2
+    assert evaluate_main(["--checkpoint", str(tmp_path), "--depths", depths]) == 2
     assert "--depths" in capsys.readouterr().err
 
 

@@ -105,7 +105,8 @@ def test_fpsa_one_iteration_is_ordinary_attention():
 
 
 def test_fpmamba_without_mixer_or_feedback_is_a_selective_scan():
-    model = tiny_model("fpmamba", mixer="none", y_feedback=False, solver={"tol": 1e-4, "patience": 0}).eval()  # (u - y) + y = u up to rounding
+    # (u - y) + y = u up to rounding
+    model = tiny_model("fpmamba", mixer="none", y_feedback=False, solver={"tol": 1e-4, "patience": 0}).eval()
     m = model.layers[0].mixer
     x = torch.randn(2, 9, 32)
     with torch.no_grad():

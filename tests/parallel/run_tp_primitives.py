@@ -11,8 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from fpscale.parallel.layers import (column_parallel_linear, row_parallel_linear, shard,  # noqa: E402
-                                     vocab_parallel_cross_entropy, vocab_parallel_embedding)
+from fpscale.parallel.layers import (  # noqa: E402
+    column_parallel_linear,
+    row_parallel_linear,
+    shard,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 from fpscale.parallel.mappings import gather_from_tp, scatter_to_tp  # noqa: E402
 
 TOL = dict(rtol=1e-10, atol=1e-12)

@@ -125,6 +125,7 @@ def test_dropout_under_tp_acts_and_matches_one_process(tmp_path, reference):
 
 def test_rng_tracker_streams():
     import torch
+
     from fpscale.parallel.random import RNGTracker, load_rng_state, rng_state, seed_default_stream
     shards = [SimpleNamespace(tp_rank=r, dp_rank=0, device=torch.device("cpu")) for r in (0, 1)]
     draws = []

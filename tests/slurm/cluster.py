@@ -30,7 +30,8 @@ def install_reason() -> str | None:
     if not shutil.which("apt-get"):
         return "SLURM is not installed and this machine has no apt-get"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
+    for cmd in (["apt-get", "update", "-qq"], install):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as exc:

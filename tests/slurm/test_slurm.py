@@ -68,7 +68,8 @@ def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, tmp_path):
     info = cluster.wait(job, timeout=300)
     assert info["JobState"] == "COMPLETED", eval_out.read_text()[-3000:]
     report = json.load(open(tmp_path / "report" / "eval.json"))
-    assert report["step"] == 4 and report["saved_layout"]["tp"] == 2 and (tmp_path / "report" / "iterations.png").exists()
+    assert report["step"] == 4 and report["saved_layout"]["tp"] == 2
+    assert (tmp_path / "report" / "iterations.png").exists()
 
 
 def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp_path):

@@ -144,7 +144,9 @@ def test_anderson_converges_faster_to_the_same_point():
     Q, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
     M = Q @ torch.diag(torch.linspace(-0.98, 0.98, 16, dtype=torch.float64)) @ Q.T   # slow contraction
     x = torch.randn(3, 4, 16, dtype=torch.float64)
-    f = lambda z: z @ M + x
+    def f(z):
+        return z @ M + x
+
     cfg = SolverConfig(max_iter=2000, tol=1e-10, patience=0)
     z_plain, s_plain = solve(f, torch.zeros_like(x), cfg, training=False)
     z_and, s_and = solve(f, torch.zeros_like(x), SolverConfig(**{**cfg.__dict__, "anderson": 5}), training=False)
@@ -259,7 +261,9 @@ def test_nonfinite_start_is_reported_not_raised():
 
 
 def test_bad_inputs_raise_clear_errors():
-    f = lambda z: z * 0.5
+    def f(z):
+        return z * 0.5
+
     with pytest.raises(ValueError, match=r"shaped like z \(2, 3\), got \(2, 4\)"):
         solve(lambda z: torch.zeros(2, 4), torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"\[batch, tokens"):

@@ -124,6 +124,7 @@ def test_evaluate_and_convert_a_tp_checkpoint_on_one_process(tmp_path, straight)
     run([sys.executable, "launch/convert.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "weights")],
         timeout=300)
     from safetensors.torch import load_file
+
     from fpscale.data.synthetic import SyntheticTask
     cfg = fpscale.load_config(str(tmp_path / "weights" / "config.yaml"))
     fresh = fpscale.build_model(cfg)

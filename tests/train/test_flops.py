@@ -7,7 +7,6 @@ import fpscale
 from fpscale.models import ModelConfig, layer_spec
 from fpscale.train.flops import layer_flops, peak_tflops, training_flops
 
-
 COUNTED = [("attn", {}), ("fpsa", {}), ("looped", {}), ("looped", {"core_blocks": 1, "conv": True}),
            ("fpmamba", {}), ("fpmamba", {"mixer": "dplr", "y_feedback": False}), ("fpmamba", {"mixer": "kronecker"}),
            ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {})]

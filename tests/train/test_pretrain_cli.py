@@ -44,6 +44,7 @@ def test_pretrain_cli_writes_run_directory(tmp_path):
 
 def test_exported_weights_reproduce_the_model(tmp_path):
     from safetensors.torch import load_file
+
     from fpscale.train.trainer import Trainer
     cfg = fpscale.load_config(os.path.join(ROOT, "configs/tiny_looped.yaml"),
                               OVERRIDES + [f"train.out_dir={tmp_path}", "name=exp"])

@@ -17,7 +17,8 @@ def test_cosine_decays_from_lr_to_min_lr_at_the_last_step():
     middle = WARMUP + (TOTAL - WARMUP) // 2
     assert lr_at(middle, LR, MIN_LR, WARMUP, TOTAL) == pytest.approx((LR + MIN_LR) / 2)
     quarter = WARMUP + (TOTAL - WARMUP) // 4
-    assert lr_at(quarter, LR, MIN_LR, WARMUP, TOTAL) == pytest.approx(MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 4)) / 2)
+    cosine_quarter = MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 4)) / 2
+    assert lr_at(quarter, LR, MIN_LR, WARMUP, TOTAL) == pytest.approx(cosine_quarter)
     assert lr_at(TOTAL, LR, MIN_LR, WARMUP, TOTAL) == pytest.approx(MIN_LR)
     assert lr_at(TOTAL + 5, LR, MIN_LR, WARMUP, TOTAL) == pytest.approx(MIN_LR)      # stays at the floor
     decay = [lr_at(s, LR, MIN_LR, WARMUP, TOTAL) for s in range(WARMUP, TOTAL + 1)]

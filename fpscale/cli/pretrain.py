@@ -1,0 +1,56 @@
+"""Pretrain a looped LM.
+
+    python launch/pretrain.py --config configs/tiny_fpsa.yaml [key.sub=value ...]
+
+    deepspeed --num_gpus 2 launch/pretrain.py --config configs/tiny_mixed.yaml      # 2 processes (CPU: gloo)
+    torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_mixed.yaml
+
+Several processes train through DeepSpeed (ZeRO stage parallel.zero_stage); one process trains
+with torch's AdamW. The run directory runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
+checkpoints/ (every train.save_interval steps and at the end) and, with train.export_final,
+final/ (whole weights as safetensors; launch/convert.py makes them from any checkpoint).
+``train.resume: auto`` (the default) continues from the newest complete checkpoint.
+
+Exit codes: 0 done; 2 a configuration / checkpoint that cannot work (the message names it);
+75 preempted: SIGTERM or SIGUSR1 made every rank save at the next step boundary (resume with
+the same command).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fpscale.config import load_config
+from fpscale.errors import ConfigError
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML config (see configs/)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)   # set by deepspeed
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from fpscale.train.checkpoint import CheckpointError
+    from fpscale.train.signals import EXIT_PREEMPTED
+    from fpscale.train.trainer import Trainer
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, CheckpointError) as exc:     # batch geometry, world size, a checkpoint that cannot load
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if trainer.state.is_main:
+        print(f"model: {trainer.model.num_params():,} parameters, layers {trainer.model.layer_types}; "
+              f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "
+              f"{cfg.parallel.zero_stage if trainer.state.distributed else '-'})", flush=True)
+    with trainer:                          # leaves NCCL / gloo together and cleanly
+        trainer.train()
+    return EXIT_PREEMPTED if trainer.preempted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
