@@ -115,6 +115,7 @@ class FPMambaMixer(FixedPointLayer):
         dt = torch.exp(torch.rand(di) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
         self.dt_bias = torch.nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
         self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))
+        self.A_log._no_weight_decay = True       # as mamba_ssm: the decay rates are not shrunk towards 0
         self.D = torch.nn.Parameter(torch.ones(di))
         self.out_norm_w = torch.nn.Parameter(torch.ones(di))
         self.w_out = torch.nn.Parameter(torch.empty(d_model, di))

@@ -85,6 +85,8 @@ def split(owner: torch.nn.Module, name: str, rank: int, tp: int, dim: int, parts
     local = shard(whole.data, dim, rank, tp, parts)
     if isinstance(whole, torch.nn.Parameter):
         local = torch.nn.Parameter(local, requires_grad=whole.requires_grad)
+        if getattr(whole, "_no_weight_decay", False):      # the slice keeps what the layer marked
+            setattr(local, "_no_weight_decay", True)
         setattr(owner, name, local)
     else:
         owner.register_buffer(name, local)

@@ -64,13 +64,15 @@ def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; skip 1-D parameters (biases, scalars), embeddings and norms by name (the
-    looped core stacks its norm weights per block: 2-D, yet no matrix)."""
+    """Decay matrices; skip 1-D parameters (biases, scalars), embeddings, norms by name (the
+    looped core stacks its norm weights per block: 2-D, yet no matrix) and what a layer marks
+    ``_no_weight_decay`` (mamba_ssm's convention: FP-Mamba's A_log)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or "embed" in name or "norm" in name else decay).append(p)
+        skip = p.dim() < 2 or "embed" in name or "norm" in name or getattr(p, "_no_weight_decay", False)
+        (no_decay if skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
