@@ -14,6 +14,7 @@ from fpscale.models.common import (
     attention_flops,
     init_linear,
     mlp_flops,
+    mlp_tp_divisor,
     rope_span,
     self_attention,
     swiglu_hidden,
@@ -23,7 +24,7 @@ from fpscale.models.registry import LayerSpec
 
 def heads_and_mlp(cfg) -> list[tuple[str, int]]:
     """What tensor parallelism splits in an attention + MLP block: heads and hidden units."""
-    return [("model.n_heads", cfg.n_heads), ("the SwiGLU hidden size", swiglu_hidden(cfg.d_model, cfg.mlp_ratio))]
+    return [("model.n_heads", cfg.n_heads), mlp_tp_divisor(cfg)]
 
 
 @dataclass

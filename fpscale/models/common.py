@@ -254,6 +254,11 @@ def init_linear(w: torch.Tensor, std: float) -> None:
     torch.nn.init.normal_(w, mean=0.0, std=std)
 
 
+def mlp_tp_divisor(cfg) -> tuple[str, int]:
+    """What tensor parallelism splits in an ``MLP`` of the model: its hidden units."""
+    return "the SwiGLU hidden size", swiglu_hidden(cfg.d_model, cfg.mlp_ratio)
+
+
 class MLP(torch.nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). gate/up are column-parallel, down row-parallel."""
 

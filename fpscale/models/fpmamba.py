@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.errors import check
-from fpscale.models.attn import heads_and_mlp
 from fpscale.models.common import (
     MLP,
     RMSNorm,
@@ -35,6 +34,7 @@ from fpscale.models.common import (
     init_linear,
     linear,
     mlp_flops,
+    mlp_tp_divisor,
     swiglu_hidden,
     wide,
 )
@@ -84,7 +84,7 @@ class FPMambaSpec(FixedPointSpec):
 
     def tp_divisors(self, cfg) -> list[tuple[str, int]]:
         split = [(f"d_inner (expand {self.expand} x d_model {cfg.d_model})", self.expand * cfg.d_model)]
-        return split + (heads_and_mlp(cfg)[1:] if self.mlp else [])
+        return split + ([mlp_tp_divisor(cfg)] if self.mlp else [])
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fpscale.errors import ConfigError, check
+from fpscale.typed import from_dict
 
 if TYPE_CHECKING:
     import torch
@@ -108,5 +109,4 @@ def spec_class(name: Any, key: str = "type") -> type[LayerSpec]:
 def layer_spec(type: str, **fields: Any) -> LayerSpec:
     """A layer spec built in code: ``layer_spec("fpmamba", mixer="dplr")`` (fields are checked
     as the YAML's are, naming a key that does not belong to the type)."""
-    from fpscale.typed import from_dict
     return from_dict(spec_class(type), {"type": type, **fields}, "layer")

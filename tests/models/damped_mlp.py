@@ -12,7 +12,7 @@ import torch
 
 from fpscale.errors import check
 from fpscale.models import FixedPointSpec, register_layer
-from fpscale.models.common import MLP, RMSNorm, mlp_flops, swiglu_hidden
+from fpscale.models.common import MLP, RMSNorm, mlp_flops, mlp_tp_divisor, swiglu_hidden
 from fpscale.models.fixed_point import FixedPointLayer
 
 
@@ -41,7 +41,7 @@ class DampedMLPSpec(FixedPointSpec):
         return DampedMLP(cfg, self, solver)
 
     def tp_divisors(self, cfg) -> list[tuple[str, int]]:
-        return [("the SwiGLU hidden size", swiglu_hidden(cfg.d_model, cfg.mlp_ratio))]
+        return [mlp_tp_divisor(cfg)]
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         return 0.0, mlp_flops(cfg.d_model, swiglu_hidden(cfg.d_model, cfg.mlp_ratio))
