@@ -10,6 +10,7 @@ from typing import Literal
 
 from fpscale.errors import check
 from fpscale.models.attn import AttnSpec
+from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
 from fpscale.models.fpsa import FPSASpec
 from fpscale.models.looped import LoopedCoreSpec
@@ -20,6 +21,7 @@ register_layer(AttnSpec)
 register_layer(FPSASpec)
 register_layer(FPMambaSpec)
 register_layer(LoopedCoreSpec)
+register_layer(EpsilonSpec)
 
 @dataclass
 class IterationCap:

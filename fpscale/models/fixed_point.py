@@ -1,17 +1,17 @@
-"""What every looped layer shares: its solver settings, the seam where its shards meet
-(``self.shards``), the randomised cap of the current training step, the evaluation depth, and
-the statistics of its last solve."""
+"""A looped layer that iterates to a fixed point: its solver settings, the randomised cap of the
+current training step, and the statistics of its last solve (what every looped layer shares, its
+shards, step and evaluation depth, is in fpscale.models.looping)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from fpscale.models.common import Unsharded
+from fpscale.models.looping import LoopedLayer
 from fpscale.solvers import SolverConfig, SolverStats, solve
 
 
-class FixedPointLayer(torch.nn.Module):
+class FixedPointLayer(LoopedLayer):
     """Base class: subclasses build ``f`` inside their ``forward`` and call ``self.fixed_point``.
 
     ``f`` receives the iterate in float32 (float64 in float64 models) and keeps the elementwise
@@ -22,12 +22,17 @@ class FixedPointLayer(torch.nn.Module):
     def __init__(self, solver: SolverConfig):
         super().__init__()
         self.solver = solver
-        self.shards = Unsharded()        # replaced by fpscale.parallel for tensor parallelism
         self.state_sharded = False       # True where the solved state is split over the shards
         self.cap: int | None = None      # randomised per-step cap (training only)
-        self.optim_step: int | None = None   # the optimizer step being computed (LoopedLM.set_step)
-        self.eval_depth: int | None = None   # overrides solver.eval_max_iter (LoopedLM.eval_depth)
         self.last_stats: SolverStats | None = None
+
+    @property
+    def backward_mode(self) -> str:      # type: ignore[override]
+        return self.solver.backward
+
+    @property
+    def phantom_steps(self) -> int:      # type: ignore[override]
+        return self.solver.phantom_steps
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor) -> torch.Tensor:
         reduce = self.shards.state_reduce if self.state_sharded else None

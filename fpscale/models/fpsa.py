@@ -99,13 +99,11 @@ class FPSAttention(FixedPointLayer):
         return plan
 
     def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_Q, W_K divided by their largest singular values. The power iteration advances in
-        training forwards, once per optimizer step when the trainer sets the step (so one process
-        with 2 micro-batches and 2 data-parallel ranks with 1 do the same), else every forward."""
+        """W_Q, W_K divided by their largest singular values (the power iteration advances once
+        per optimizer step: ``power_step_due``)."""
         if not self.spectral_norm:
             return self.w_q, self.w_k
-        new_step = self.optim_step is None or self.optim_step != self._power_step
-        update = self.training and torch.is_grad_enabled() and new_step
+        update = self.power_step_due(self._power_step)
         if update:
             self._power_step = self.optim_step
         total = self.shards.total

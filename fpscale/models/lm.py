@@ -4,6 +4,7 @@
     logits = model(tokens)                    # [B, T] -> [B, T, vocab]
     loss = model.loss(tokens, targets)
     model.solver_stats()                      # {"layers.1.fpsa": SolverStats, ...} of the last forward
+    model.layer_stats()                       # the same for every looped layer (epsilon: HaltingStats)
     with model.eval_depth(64): model.eval()(tokens)   # evaluate with up to 64 solver iterations
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fpscale.models.caps import draw_cap
 from fpscale.models.common import LMHead, RMSNorm
 from fpscale.models.config import ModelConfig
 from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.models.looping import LoopedLayer
 from fpscale.solvers import SolverConfig, SolverStats
 
 
@@ -35,6 +37,7 @@ class LoopedLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead()                  # logits and loss; fpscale.parallel swaps in the vocab-parallel one
         self.lm_head = None
+        self.last_losses: dict = {}          # the parts of the last loss (forward with targets)
         if not cfg.tie_embeddings:
             self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
 
@@ -55,11 +58,21 @@ class LoopedLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]; with ``targets``, the mean cross-entropy instead."""
+        """Logits [B, T, vocab]; with ``targets``, the loss to minimise instead: the mean
+        cross-entropy plus, in training, the looped layers' auxiliary losses (epsilon's halting
+        KL). ``last_losses`` keeps both parts of it apart, on the device."""
         logits = self.output(self.hidden(tokens, caches, pos))
         if targets is None:
             return logits
-        return self.cross_entropy(logits, targets)
+        ce = self.cross_entropy(logits, targets)
+        aux = self.aux_loss() if self.training else None
+        self.last_losses = {"ce": ce.detach(), "aux": None if aux is None else aux.detach()}
+        return ce if aux is None else ce + aux
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sum of the looped layers' weighted auxiliary losses of the last forward, or None."""
+        terms = [m.aux_loss for m in self.looped_layers().values() if m.aux_loss is not None]
+        return sum(terms[1:], terms[0]) if terms else None
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h, self.head_weight())
@@ -76,12 +89,22 @@ class LoopedLM(torch.nn.Module):
         return self(tokens, targets=targets)
 
     # -- what the trainer and the decoder need ----------------------------------------------
-    def fixed_point_layers(self) -> dict[str, FixedPointLayer]:
+    def looped_layers(self) -> dict[str, LoopedLayer]:
+        """Every layer that repeats its map (fixed-point solves and halting loops), by name
+        ``layers.{index}.{type}``."""
         return {f"layers.{i}.{self.layer_types[i]}": m for i, layer in enumerate(self.layers)
-                for m in layer.modules() if isinstance(m, FixedPointLayer)}
+                for m in layer.modules() if isinstance(m, LoopedLayer)}
+
+    def fixed_point_layers(self) -> dict[str, FixedPointLayer]:
+        return {name: m for name, m in self.looped_layers().items() if isinstance(m, FixedPointLayer)}
 
     def solver_stats(self) -> dict[str, SolverStats]:
         return {name: m.last_stats for name, m in self.fixed_point_layers().items() if m.last_stats is not None}
+
+    def layer_stats(self) -> dict:
+        """The last forward's statistics of every looped layer (SolverStats, HaltingStats: each
+        has ``to_dict``)."""
+        return {name: m.last_stats for name, m in self.looped_layers().items() if m.last_stats is not None}
 
     def set_step(self, step: int) -> None:
         """Draw this step's randomised caps (the same on every rank) and tell every looped layer
@@ -89,19 +112,21 @@ class LoopedLM(torch.nn.Module):
         advances once per step, however many micro-batches the layout splits it into)."""
         for i, (name, m) in enumerate(self.fixed_point_layers().items()):
             m.cap = draw_cap(self.cfg.iteration_cap, m.solver.max_iter, self.seed, step, i)
+        for m in self.looped_layers().values():
             m.optim_step = step
 
     @contextlib.contextmanager
     def eval_depth(self, depth: int | None):
-        """Within the block, every looped layer caps its evaluation solves at ``depth`` iterations
-        (None: each layer's ``solver.eval_max_iter``). Training solves are unaffected.
+        """Within the block, every looped layer caps its evaluation at ``depth`` iterations (None:
+        each layer's ``solver.eval_max_iter``; a halting layer at most its ``max_steps``). Training
+        is unaffected.
 
             with model.eval_depth(64):
                 loss = model(tokens, targets=targets)       # test-time compute: up to 64 iterations
         """
         if depth is not None and depth < 1:
             raise ValueError(f"evaluation depth must be >= 1, got {depth}")
-        layers = list(self.fixed_point_layers().values())
+        layers = list(self.looped_layers().values())
         before = [m.eval_depth for m in layers]
         for m in layers:
             m.eval_depth = depth

@@ -1,0 +1,95 @@
+"""Per-token halting with a geometric prior (seed 003, Epsilon, Secs. 3.4 and 4.2; PonderNet's KL).
+
+After the t-th application of a shared block a token's state h_t gives a halting probability
+lambda_t = sigmoid(w_t . h_t + b_t), spent from the token's remainder r (r_1 = 1):
+
+    p_t = min(lambda_t, r_t),   r_{t+1} = r_t - p_t
+    the token halts once r_{t+1} <= HALTED (or at the last step): the remainder goes to this,
+    its own last step, so sum_t p_t = 1 exactly; a halted token's state stops changing
+    y = sum_t p_t h_t
+
+    KL(P || Q), Q(t) = q (1 - q)^(t - 1), q = 1 / target_mean, truncated at L_max with its tail
+    (1 - q)^(L_max - 1) folded into the last step, as the token's own remainder is.
+
+    halting = Halting(shape, device)
+    for t in range(L):
+        h = where(halting.running, block(h), h)
+        p = halting.step(sigmoid(w[t] . h + b[t]), last=t == L - 1)
+        y = y + p[..., None] * h
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HALTED = 1e-6      # a token whose remainder is at most this has halted (the authors' 1 - 1e-6)
+
+
+def geometric_prior(mean: float, steps: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Q(1..steps) of a geometric distribution on {1, 2, ...} with the given mean, its tail
+    beyond ``steps`` folded into the last entry (so it sums to 1)."""
+    q = 1.0 / mean
+    t = torch.arange(steps, dtype=torch.float64)
+    prior = q * (1.0 - q) ** t
+    prior[-1] = (1.0 - q) ** (steps - 1)
+    return prior.to(dtype=dtype, device=device)
+
+
+def halting_kl(probs: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per token: ``probs`` [..., S] (S <= len(prior): a loop that ended early left
+    every later probability 0), ``prior`` [L]. A zero of P contributes nothing; Q is floored at
+    1e-30 (a prior of mean 1 puts no mass after step 1)."""
+    log_q = prior[: probs.shape[-1]].clamp_min(1e-30).log()
+    return (torch.xlogy(probs, probs) - probs * log_q).sum(-1)
+
+
+class Halting:
+    """The halting process of one forward over a [batch, tokens] grid, in float32 (or wider)."""
+
+    def __init__(self, shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.float32):
+        self.remainder = torch.ones(shape, device=device, dtype=dtype)
+        self.running = torch.ones(shape, device=device, dtype=torch.bool)
+        self.halt_step = torch.zeros(shape, device=device, dtype=torch.long)
+        self.probs: list[torch.Tensor] = []
+
+    def step(self, lam: torch.Tensor, last: bool) -> torch.Tensor:
+        """p_t for every token (0 for tokens that halted earlier); updates who still runs."""
+        r = self.remainder
+        p = torch.where(self.running, r if last else torch.minimum(lam, r), 0.0)
+        left = r - p
+        halts = self.running & ((left <= HALTED) | last)
+        p = p + torch.where(halts, left, 0.0)            # the remainder to the token's own last step
+        self.remainder = torch.where(halts, 0.0, left)
+        self.halt_step = torch.where(halts, len(self.probs) + 1, self.halt_step)
+        self.running = self.running & ~halts
+        self.probs.append(p)
+        return p
+
+    def distribution(self) -> torch.Tensor:
+        """P [..., steps taken]: each token's halting distribution (sums to 1 once all halted)."""
+        return torch.stack(self.probs, -1)
+
+
+@dataclass
+class HaltingStats:
+    """What one forward of a halting layer did; tensors stay on the device until ``to_dict``."""
+
+    steps: int                      # applications of the block (the loop ran this many)
+    max_steps: int                  # the cap it ran under (L_max, or the evaluation depth)
+    expected_depth: torch.Tensor    # [B, T] sum_t t p_t per token
+    halt_step: torch.Tensor         # [B, T] the step at which the token halted (1-based)
+    kl: torch.Tensor                # mean KL of the tokens' halting distributions from the prior
+    bin_entropy: torch.Tensor | None = None    # mean entropy of HQSA's key-to-bin assignment (nats)
+
+    def to_dict(self) -> dict:
+        depth = self.expected_depth.float().flatten()
+        q = torch.quantile(depth, torch.tensor([0.5, 0.9], dtype=depth.dtype, device=depth.device)).tolist()
+        halted = [float((self.halt_step <= t).float().mean()) for t in range(1, self.max_steps + 1)]
+        out = {"kind": "halting", "iterations": self.steps, "max_iter": self.max_steps,
+               "depth_mean": float(depth.mean()), "depth_p50": q[0], "depth_p90": q[1],
+               "halt_step_mean": float(self.halt_step.float().mean()), "halted_by_step": halted,
+               "kl": float(self.kl)}
+        if self.bin_entropy is not None:
+            out["bin_entropy"] = float(self.bin_entropy)
+        return out
