@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     out = fpscale.generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed))
     print(sp.decode(out[0].tolist()))
-    for name, st in model.solver_stats().items():
-        print(f"# {name}: {st.iterations} iterations on the last token ({st.stopped_by})", file=sys.stderr)
+    for name, st in model.layer_stats().items():
+        how = st.stopped_by if hasattr(st, "stopped_by") else f"expected depth {float(st.expected_depth.mean()):.2f}"
+        print(f"# {name}: {st.iterations} iterations on the last token ({how})", file=sys.stderr)
     return 0
 
 

@@ -253,8 +253,8 @@ class EpsilonLayer(LoopedLayer):
         kl = halting_kl(probs, geometric_prior(spec.target_halting_mean, spec.max_steps, probs.dtype,
                                                probs.device)).mean()
         depth = (probs * torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=probs.dtype)).sum(-1)
-        self.last_stats = HaltingStats(probs.shape[-1], steps, depth.detach(), halting.halt_step, kl.detach(),
-                                       None if entropy is None else entropy.detach())
+        self.last_stats = HaltingStats(probs.shape[-1], steps, probs.detach(), depth.detach(), halting.halt_step,
+                                       kl.detach(), None if entropy is None else entropy.detach())
         self.aux_loss = None
         if self.training:
             loss = spec.kl_weight * spec.kl_scale(self.optim_step) * kl

@@ -75,8 +75,9 @@ class Halting:
 class HaltingStats:
     """What one forward of a halting layer did; tensors stay on the device until ``to_dict``."""
 
-    steps: int                      # applications of the block (the loop ran this many)
-    max_steps: int                  # the cap it ran under (L_max, or the evaluation depth)
+    iterations: int                 # applications of the block (the loop ran this many steps)
+    max_iter: int                   # the cap it ran under (L_max, or the evaluation depth)
+    distribution: torch.Tensor      # [B, T, iterations] p_t per token (sums to 1 per token)
     expected_depth: torch.Tensor    # [B, T] sum_t t p_t per token
     halt_step: torch.Tensor         # [B, T] the step at which the token halted (1-based)
     kl: torch.Tensor                # mean KL of the tokens' halting distributions from the prior
@@ -85,8 +86,8 @@ class HaltingStats:
     def to_dict(self) -> dict:
         depth = self.expected_depth.float().flatten()
         q = torch.quantile(depth, torch.tensor([0.5, 0.9], dtype=depth.dtype, device=depth.device)).tolist()
-        halted = [float((self.halt_step <= t).float().mean()) for t in range(1, self.max_steps + 1)]
-        out = {"kind": "halting", "iterations": self.steps, "max_iter": self.max_steps,
+        halted = [float((self.halt_step <= t).float().mean()) for t in range(1, self.max_iter + 1)]
+        out = {"kind": "halting", "iterations": self.iterations, "max_iter": self.max_iter,
                "depth_mean": float(depth.mean()), "depth_p50": q[0], "depth_p90": q[1],
                "halt_step_mean": float(self.halt_step.float().mean()), "halted_by_step": halted,
                "kl": float(self.kl)}

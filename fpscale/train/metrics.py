@@ -15,20 +15,37 @@ log = get_logger(__name__)
 
 
 def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
-    """Aggregate per-step solver stats of each layer over a log interval."""
+    """Aggregate the per-forward stats of each looped layer over a log interval: iterations (a
+    halting layer's steps run) for every layer, then residuals and damping of a solver, or
+    expected depth, halted fractions and KL of a halting layer."""
     out = {}
     for name, rows in history.items():
         its = np.array([r["iterations"] for r in rows], dtype=float)
         out[name] = {
             "iters_mean": float(its.mean()), "iters_median": float(np.median(its)),
             "iters_p90": float(np.percentile(its, 90)), "iters_max": float(its.max()),
+        }
+        if rows[-1].get("kind") == "halting":
+            out[name].update(summarize_halting(rows))
+            continue
+        out[name].update({
             "residual_p50": float(np.mean([r["residual_p50"] for r in rows])),
             "residual_p90": float(np.mean([r["residual_p90"] for r in rows])),
             "converged_fraction": float(np.mean([r["converged_fraction"] for r in rows])),
             "eta": float(np.mean([r["eta"] for r in rows])),
-        }
+        })
         if "backward_iterations" in rows[-1]:
             out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
+    return out
+
+
+def summarize_halting(rows: list[dict]) -> dict:
+    """A halting layer's interval: the means of its per-forward expected depth (mean, p50, p90),
+    KL and bin entropy, and the fraction of tokens halted by each step (``halted_by_step_{t}``)."""
+    out = {key: float(np.mean([r[key] for r in rows]))
+           for key in ("depth_mean", "depth_p50", "depth_p90", "halt_step_mean", "kl", "bin_entropy") if key in rows[-1]}
+    for t, frac in enumerate(np.mean([r["halted_by_step"] for r in rows], axis=0), start=1):
+        out[f"halted_by_step_{t}"] = float(frac)
     return out
 
 
@@ -65,11 +82,13 @@ class MetricsWriter:
         elapsed = time.time() - self.t0
         eta = elapsed / max(step, 1) * (total - step)
         iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{s['iters_mean']:.1f}"
+                         + (f" (depth {s['depth_mean']:.2f})" if "depth_mean" in s else "")
                          for name, s in record.get("layers", {}).items())
+        aux = f" aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
         mfu = (f" mfu {record['mfu_executed']:.1%}/{record['mfu_nominal']:.1%}" if "mfu_executed" in record
                else f" {record['tflops_executed'] * 1e3:.1f}/{record['tflops_nominal'] * 1e3:.1f} GFLOP/s")
         skipped = f" skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
-        log.info(f"step {step:>6}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+        log.info(f"step {step:>6}/{total} loss {record['loss']:.4f}{aux} lr {record['lr']:.2e} "
                  f"gnorm {record['grad_norm']:.3f}{skipped} {record['tokens_per_s']:,.0f} tok/s{mfu} "
                  f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}")
 

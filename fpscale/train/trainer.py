@@ -81,10 +81,11 @@ def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tupl
     return batch[:, :-1], batch[:, 1:]
 
 
-def collect_solver_stats(model, into: dict[str, list]) -> None:
+def collect_layer_stats(model, into: dict[str, list]) -> None:
     """Append the last forward's statistics of every looped layer to ``into``: the SolverStats
-    themselves, whose tensors stay on the device until a log step reads them (``as_dicts``)."""
-    for name, stats in model.solver_stats().items():
+    or HaltingStats themselves, whose tensors stay on the device until a log step reads them
+    (``as_dicts``)."""
+    for name, stats in model.layer_stats().items():
         into.setdefault(name, []).append(stats)
 
 
@@ -97,6 +98,11 @@ def validation_lines(record: dict) -> list[str]:
     iterations, and the depth sweep when there is one."""
     lines = [f"validation at step {record['step']}: loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}"]
     for name, st in record["layers"].items():
+        if "depth_mean" in st:            # a halting layer: expected depth per token, steps run
+            lines.append(f"  {name:<18} depth mean {st['depth_mean']:.2f} p50 {st['depth_p50']:.2f} "
+                         f"p90 {st['depth_p90']:.2f}  steps mean {st['iters_mean']:.2f} max {st['iters_max']:.0f}  "
+                         f"kl {st['kl']:.3f}")
+            continue
         lines.append(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
                      f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
                      f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}")
@@ -215,7 +221,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.batches.next_global_batch()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)   # stays on the device
+        # cross-entropy and the auxiliary losses (epsilon's KL), summed on the device
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         layer_stats: dict[str, list] = {}
         grad_norm = None
         for i, batch in enumerate(micro_batches):
@@ -229,13 +236,12 @@ class Trainer:
                     grad_norm = global_grad_norm(model.parameters(), self.state.tp_group)
                     self.optimizer.skip_next = not math.isfinite(float(grad_norm))
                 self.engine.step()
-                total += loss.detach().double() / len(micro_batches)
             else:
                 with self.autocast():
                     loss = model(inputs, targets=targets) / len(micro_batches)
                 loss.backward()
-                total += loss.detach().double()
-            collect_solver_stats(model, layer_stats)
+            total += self.loss_parts() / len(micro_batches)
+            collect_layer_stats(model, layer_stats)
         if self.engine is not None:
             if grad_norm is None:      # ZeRO 1-3 skip a non-finite step themselves and report inf
                 grad_norm = self.engine.get_global_grad_norm()
@@ -247,26 +253,35 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device)
-        # loss and norm in one read of the device (one process and ZeRO-0 read the norm before the
+        # losses and norm in one read of the device (one process and ZeRO-0 read the norm before the
         # update too: whether to skip it); per-micro-batch values never leave the device
-        total, grad_norm = torch.stack([total, grad_norm]).tolist()
+        ce, aux, grad_norm = torch.cat([total, grad_norm.view(1)]).tolist()
         skipped = not math.isfinite(grad_norm)
         self.progress.skipped_steps += skipped
         self.progress.step += 1
-        return {"loss": total, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "layer_stats": layer_stats,
-                "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
+        out = {"loss": ce, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "layer_stats": layer_stats,
+               "tokens": self.state.dp_size * sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)}
+        if self.model.last_losses.get("aux") is not None:
+            out["aux_loss"] = aux
+        return out
+
+    def loss_parts(self) -> torch.Tensor:
+        """[cross-entropy, auxiliary loss] of the last micro-batch, on the device (float64)."""
+        parts = self.model.last_losses
+        aux = parts["aux"] if parts["aux"] is not None else torch.zeros((), device=self.device)
+        return torch.stack([parts["ce"].double(), aux.double()])
 
     def compute_record(self, layers: dict[str, dict], tokens_per_s: float) -> dict:
         """TFLOP/s and MFU, nominal (one iteration per looped layer) and executed, and memory."""
-        fp = {int(name.split(".")[1]): m for name, m in self.model.fixed_point_layers().items()}
+        loops = {int(name.split(".")[1]): m for name, m in self.model.looped_layers().items()}
         stats, modes, steps = [], [], []
         for i, kind in enumerate(self.model.layer_types):
             summary = layers.get(f"layers.{i}.{kind}")
-            stats.append(None if i not in fp or summary is None else
+            stats.append(None if i not in loops or summary is None else
                          {"iterations": summary["iters_mean"],
                           "backward_iterations": summary.get("backward_iters_mean", 0.0)})
-            modes.append(fp[i].solver.backward if i in fp else "-")
-            steps.append(fp[i].solver.phantom_steps if i in fp else 1)
+            modes.append(loops[i].backward_mode if i in loops else "-")
+            steps.append(loops[i].phantom_steps if i in loops else 1)
         nominal, executed = training_flops(self.cfg.model, self.cfg.data.seq_len, stats, modes, steps)
         world = self.state.world_size
         out = {"flops_per_token_nominal": nominal, "flops_per_token_executed": executed,
@@ -326,7 +341,7 @@ class Trainer:
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
                 layers = summarize_layers(as_dicts(window))
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
-                          "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
+                          **({"aux_loss": out["aux_loss"]} if "aux_loss" in out else {}), "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
                           "tokens_per_s": tokens_per_s,
                           **self.compute_record(layers, tokens_per_s), "layers": layers}
                 self.metrics.log(record)

@@ -35,7 +35,7 @@ def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
             continue
         total += loss.detach().double() * batch.shape[0]
         count += batch.shape[0]
-        for name, stats in model.solver_stats().items():
+        for name, stats in model.layer_stats().items():
             layer_stats.setdefault(name, []).append(stats.to_dict())
     sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=state.device)])
     if state.distributed:

@@ -37,6 +37,10 @@ CASES = {
                                   "solver.tol=1e-2"],
     "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
                              "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",
+                     "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
+    "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
+                       "model.layers.0.max_steps=3"],
 }
 TOL = dict(rtol=1e-9, atol=1e-12)     # float64; observed <= 3e-11 (other summation order)
 
@@ -74,11 +78,11 @@ def check_case(name, overrides, state, tokens, targets):
             dist.all_gather(pieces, buffers[n].contiguous(), group=state.tp_group)
             assert torch.allclose(unshard(pieces, 0), b, **TOL), (name, n)
 
-    mine = {k: (s.iterations, s.backward_iterations) for k, s in split.solver_stats().items()}
+    mine = {k: (s.iterations, getattr(s, "backward_iterations", None)) for k, s in split.layer_stats().items()}
     theirs = [None] * state.tp_size
     dist.all_gather_object(theirs, mine, group=state.tp_group)
     assert all(t == mine for t in theirs), (name, theirs)
-    ref = {k: (s.iterations, s.backward_iterations) for k, s in whole.solver_stats().items()}
+    ref = {k: (s.iterations, getattr(s, "backward_iterations", None)) for k, s in whole.layer_stats().items()}
     assert mine == ref, (name, mine, ref)
 
 
