@@ -134,7 +134,8 @@ class EpsilonLayer(LoopedLayer):
         init_linear(self.w_o, cfg.out_init_std())
         if spec.attention == "hqsa":
             self.w_bin = torch.nn.Parameter(torch.randn(spec.latent_dim, self.head_dim) / math.sqrt(self.head_dim))
-            self.prototypes = torch.nn.Parameter(torch.randn(H, spec.bins, spec.latent_dim) / math.sqrt(spec.latent_dim))
+            self.prototypes = torch.nn.Parameter(torch.randn(H, spec.bins, spec.latent_dim)
+                                                 / math.sqrt(spec.latent_dim))
             self.log_tau = torch.nn.Parameter(torch.zeros(H))          # tau = 1 per head
         self.w_ffn1 = torch.nn.Parameter(torch.empty(hidden, d))
         self.b_ffn1 = torch.nn.Parameter(torch.zeros(hidden))

@@ -340,8 +340,10 @@ class Trainer:
                 now = time.perf_counter()
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
                 layers = summarize_layers(as_dicts(window))
+                # loss and ppl: the cross-entropy; aux_loss: what the looped layers added to it
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
-                          **({"aux_loss": out["aux_loss"]} if "aux_loss" in out else {}), "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
+                          **({"aux_loss": out["aux_loss"]} if "aux_loss" in out else {}),
+                          "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
                           "tokens_per_s": tokens_per_s,
                           **self.compute_record(layers, tokens_per_s), "layers": layers}
                 self.metrics.log(record)
