@@ -48,6 +48,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    embed_scale: float = 1.0      # token embeddings enter the stack times this (the tied output layer
+    # reads the table unscaled); Epsilon's authors use sqrt(d_model): its CenterNorm keeps the scale
     tie_embeddings: bool = True
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
@@ -66,6 +68,7 @@ class ModelConfig:
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{prefix}.{name}", f"must lie in [0, 1), got {value}")
+        check(self.embed_scale > 0, f"{prefix}.embed_scale", f"must be > 0, got {self.embed_scale}")
         check(self.mlp_ratio > 0, f"{prefix}.mlp_ratio", f"must be > 0, got {self.mlp_ratio}")
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")

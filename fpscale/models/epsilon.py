@@ -126,6 +126,8 @@ class EpsilonLayer(LoopedLayer):
         hidden, L = spec.hidden(cfg), spec.max_steps
         self.spec, self.n_heads, self.head_dim, self.rope_theta = spec, H, d // H, cfg.rope_theta
         self.dropout, self.attn_dropout = cfg.dropout, cfg.attn_dropout
+        # CenterNorm keeps the input's scale (gain 1: the contraction argument of the paper's A.1);
+        # the block then works at the residual stream's scale, set by model.embed_scale
         self.norm1_w, self.norm1_b = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.zeros(d))
         self.norm2_w, self.norm2_b = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.zeros(d))
         self.w_qkv = torch.nn.Parameter(torch.empty(3 * d, d))

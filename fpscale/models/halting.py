@@ -38,10 +38,12 @@ def geometric_prior(mean: float, steps: int, dtype=torch.float32, device=None) -
 
 def halting_kl(probs: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per token: ``probs`` [..., S] (S <= len(prior): a loop that ended early left
-    every later probability 0), ``prior`` [L]. A zero of P contributes nothing; Q is floored at
+    every later probability 0), ``prior`` [L]. P is floored at 1e-9 inside the log, as the
+    authors do: a zero of P contributes nothing and has a finite gradient (xlogy's is NaN at 0,
+    and a halting probability underflows to 0 once its logit is very negative); Q is floored at
     1e-30 (a prior of mean 1 puts no mass after step 1)."""
     log_q = prior[: probs.shape[-1]].clamp_min(1e-30).log()
-    return (torch.xlogy(probs, probs) - probs * log_q).sum(-1)
+    return (probs * (probs.clamp_min(1e-9).log() - log_q)).sum(-1)
 
 
 class Halting:

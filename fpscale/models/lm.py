@@ -49,6 +49,8 @@ class LoopedLM(torch.nn.Module):
             raise ValueError(f"sequence of {pos + tokens.shape[1]} tokens exceeds model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
         x = self.embed(tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, caches[i] if caches is not None else None)
         return self.norm(x)
