@@ -30,10 +30,10 @@ def geometric_prior(mean: float, steps: int, dtype=torch.float32, device=None) -
     """Q(1..steps) of a geometric distribution on {1, 2, ...} with the given mean, its tail
     beyond ``steps`` folded into the last entry (so it sums to 1)."""
     q = 1.0 / mean
-    t = torch.arange(steps, dtype=torch.float64)
+    t = torch.arange(steps, dtype=torch.float64, device=device)
     prior = q * (1.0 - q) ** t
     prior[-1] = (1.0 - q) ** (steps - 1)
-    return prior.to(dtype=dtype, device=device)
+    return prior.to(dtype)
 
 
 def halting_kl(probs: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
