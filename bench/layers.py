@@ -22,7 +22,10 @@ import torch
 from common import print_table, write_json
 
 from fpscale.models import ModelConfig, layer_spec
+from fpscale.models.common import causal_attention
+from fpscale.models.hqsa import bin_assignment, causal_hqsa
 from fpscale.models.lm import LoopedLM
+from fpscale.models.looping import LoopedLayer
 from fpscale.profiling import count_saved_bytes
 from fpscale.solvers import SolverConfig
 
@@ -35,6 +38,7 @@ SPECS = {
                                       "backward_tol": 1e-3}),
     "fpmamba": dict(type="fpmamba", d_state=16, solver={"tol": 0.1, "patience": 3, "decay": 0.5, "backward": "jfb"}),
     "looped": dict(type="looped", core_blocks=1, solver={"backward": "phantom", "phantom_steps": 2}),
+    "epsilon": dict(type="epsilon"),        # HQSA, at most 8 steps, halting prior of mean 3 (seed 003)
 }
 
 
@@ -45,7 +49,8 @@ def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dty
 
 
 def run(block, x):
-    """Saved bytes, fwd+bwd seconds, iterations of one training step of ``block``."""
+    """Saved bytes, fwd+bwd seconds, iterations (epsilon: steps run) and the mean expected depth
+    per token (epsilon; else the iterations) of one training step of ``block``."""
     params = tuple(block.parameters())
     xi = x.clone().requires_grad_()
     t0 = time.perf_counter()
@@ -54,7 +59,9 @@ def run(block, x):
     out.float().pow(2).mean().backward()
     elapsed = time.perf_counter() - t0
     stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
-    return counter.total, elapsed, (stats[0].iterations if stats else 1)
+    its = stats[0].iterations if stats else 1
+    depth = float(stats[0].expected_depth.mean()) if stats and hasattr(stats[0], "expected_depth") else its
+    return counter.total, elapsed, its, depth
 
 
 def main(argv=None):
@@ -69,6 +76,8 @@ def main(argv=None):
                     help="tolerance of fpsa and looped (fpmamba keeps its 0.1); default: one bf16 resolves too")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--hqsa-T", type=int, nargs="+", default=[256, 1024, 4096],
+                    help="lengths of the HQSA-against-attention timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -83,9 +92,10 @@ def main(argv=None):
             xd = x.to(DTYPES[name])
             run(block, xd)                                                     # warm-up
             results = [run(block, xd) for _ in range(args.repeats)]
-            fp = [m for m in block.modules() if hasattr(m, "solver") and hasattr(m, "last_stats")]
-            row["backward"] = fp[0].solver.backward if fp else "-"
+            loops = [m for m in block.modules() if isinstance(m, LoopedLayer)]
+            row["backward"] = loops[0].backward_mode if loops else "-"
             row[f"iters_{name}"] = statistics.median(r[2] for r in results)
+            row[f"depth_{name}"] = statistics.median(r[3] for r in results)
             row[f"saved_MiB_{name}"] = results[0][0] / 2 ** 20
             row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)
         rows.append(row)
@@ -96,7 +106,8 @@ def main(argv=None):
         r[f"time_x_attn_{first}"] = r[f"us_per_token_{first}"] / ref[f"us_per_token_{first}"]
     print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
-    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "saved_MiB", "us_per_token") for n in args.dtypes]
+    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "saved_MiB", "us_per_token")
+                                       for n in args.dtypes]
     print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}"])
 
     # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
@@ -120,7 +131,37 @@ def main(argv=None):
         imp["gain_x"] = imp["max_micro_batch"] / max(unr["max_micro_batch"], 1)
     print(f"\nlargest micro-batch whose saved activations fit {args.budget_gib} GiB (16 iterations, T={args.T})")
     print_table(fit_rows, ["layer", "backward", "MiB_per_sample", "max_micro_batch", "gain_x"])
-    write_json("layers", {"args": vars(args), "layer_rows": rows, "micro_batch_rows": fit_rows}, args.out)
+    hqsa_rows = hqsa_against_attention(args)
+    write_json("layers", {"args": vars(args), "layer_rows": rows, "micro_batch_rows": fit_rows,
+                          "hqsa_rows": hqsa_rows}, args.out)
+
+
+def hqsa_against_attention(args) -> list[dict]:
+    """Forward + backward time per token of causal HQSA (16 bins, chunked prefix sums) and of
+    causal attention (SDPA; flash-attn on a GPU in bf16) on the same q, k, v, by length: HQSA is
+    linear in T, attention quadratic (seed 003's sub-quadratic claim)."""
+    rows = []
+    dh, H = args.d // args.heads, args.heads
+    g = torch.Generator().manual_seed(0)
+    w_bin, protos, log_tau = torch.randn(8, dh, generator=g), torch.randn(H, 16, 8, generator=g), torch.zeros(H)
+    for T in args.hqsa_T:
+        q, k, v = (torch.randn(1, H, T, dh, generator=g).requires_grad_() for _ in range(3))
+
+        def timed(fn):
+            times = []
+            for _ in range(args.repeats + 1):              # the first is a warm-up
+                t0 = time.perf_counter()
+                fn().float().pow(2).mean().backward()
+                times.append(time.perf_counter() - t0)
+            return 1e6 * statistics.median(times[1:]) / T
+
+        hqsa = timed(lambda: causal_hqsa(q, k, v, bin_assignment(k, w_bin, protos, log_tau))[0])
+        attn = timed(lambda: causal_attention(q, k, v))
+        rows.append({"T": T, "us_per_token_hqsa": hqsa, "us_per_token_attention": attn,
+                     "hqsa_x_attention": hqsa / attn})
+    print(f"\ncausal HQSA (16 bins) against causal attention, forward + backward per token (H={H}, d_h={dh}, B=1)")
+    print_table(rows, ["T", "us_per_token_hqsa", "us_per_token_attention", "hqsa_x_attention"])
+    return rows
 
 
 if __name__ == "__main__":

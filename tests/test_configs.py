@@ -124,7 +124,7 @@ def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
         cfg = fpscale.load_config(path)
     assert [str(w.message) for w in seen if issubclass(w.category, ConfigWarning)] == []
     for i, spec in enumerate(cfg.model.layers):
-        if spec.type == "attn":
+        if not spec.looped:            # no solver: attn, and epsilon (learned halting)
             continue
         solver = cfg.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
         assert solver.stop_quantile == 0.25 and int(solver.stop_quantile * cfg.train.micro_batch) >= 1

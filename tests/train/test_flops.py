@@ -64,3 +64,28 @@ def test_executed_flops(kind):
 def test_peak_lookup():
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16", 0) == 989.0
     assert peak_tflops("cpu", "fp32", 0) is None and peak_tflops("cpu", "fp32", 0.1) == 0.1
+
+
+@pytest.mark.parametrize("attention", ["hqsa", "causal"])
+def test_epsilon_flops_match_torch_flop_counter(attention):
+    """An epsilon forward that runs exactly 3 steps (the halting heads never halt before the
+    cap): the declared FLOPs against the counter; the causal variant's scores are taken out as
+    for attn (a fused kernel the counter does not see), HQSA's products are all counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fpscale.models.common import attention_score_flops
+    from tests.models.helpers import tiny_config
+
+    B, T, d, k = 2, 32, 64, 3
+    cfg = tiny_config("epsilon", d=d, attention=attention, max_steps=k, target_halting_mean=2.0)
+    model = fpscale.build_model(cfg).eval()
+    with torch.no_grad():
+        model.layers[0].b_halt.fill_(-30.0)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.layers[0](torch.randn(B, T, d))
+    assert model.layers[0].last_stats.iterations == k
+    ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(ops) <= {"aten.mm", "aten.addmm", "aten.bmm"}, ops
+    static, per_iter = cfg.model.layers[0].flops(cfg.model, T)
+    not_counted = k * attention_score_flops(d, T) if attention == "causal" else 0.0
+    assert sum(ops.values()) / (B * T) == pytest.approx(static + k * per_iter - not_counted, rel=1e-9)
