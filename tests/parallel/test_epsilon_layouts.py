@@ -15,7 +15,8 @@ def epsilon_reference(tmp_path_factory):
     return one_process_reference(str(tmp_path_factory.mktemp("ref_epsilon")), CONFIG)
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "zero_stage=1"], ["zero_stage=3"]], ids=["tp2-zero1", "dp2-zero3"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "zero_stage=1"], ["zero_stage=3"]],
+                         ids=["tp2-zero1", "dp2-zero3"])
 def test_epsilon_layouts_match_one_process(tmp_path, epsilon_reference, layout):
     torchrun(2, SCRIPT, [str(tmp_path), CONFIG, *layout], timeout=400)
     ranks = read_ranks(str(tmp_path))
