@@ -5,7 +5,7 @@ per token, median solver iterations in validation, wall time; and, for every sta
 layer, validation perplexity against the evaluation depth (every looped layer capped at d
 iterations: test-time compute).
 
-    PYTHONPATH=. python experiments/language.py                       # all stacks (~48 min on 2 shared cores)
+    PYTHONPATH=. python experiments/language.py                       # all (~30 min, --threads 1, 2 shared cores)
     PYTHONPATH=. python experiments/language.py --stacks attn,looped  # some of them
     PYTHONPATH=. python experiments/language.py --quick               # seconds: pipeline check
 

@@ -46,3 +46,25 @@ def test_a_rank_without_a_gpu_of_its_own_is_an_error(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK 3 but this process sees 2 GPUs \(CUDA_VISIBLE_DEVICES=0,1\)"):
         compute_device(3)
+
+
+def test_the_gradient_norm_never_copies_a_gradient_to_the_host():
+    """What the collective check cannot see on CPU (an explicit ``.cpu()``, ``.item()`` or ``float()``
+    of a gradient: the old global_grad_norm moved every gradient to the host, one transfer per
+    parameter): gradients on ``meta`` stand in for gradients on a GPU, and any host read of one
+    raises. The norm stays a tensor on the gradients' device; on real tensors it is the L2 norm."""
+    from fpscale.parallel.layers import global_grad_norm
+
+    def params(device, fill):
+        out = []
+        for shape, split in (((4, 3), True), ((5,), False), ((2, 2), False)):
+            p = torch.nn.Parameter(torch.empty(shape, device=device))
+            p.grad = torch.full(shape, fill, device=device)
+            if split:
+                p.tensor_model_parallel = True
+            out.append(p)
+        return out
+
+    norm = global_grad_norm(params("meta", 2.0), None)         # no host read: nothing raises
+    assert norm.device.type == "meta" and norm.shape == ()
+    assert float(global_grad_norm(params("cpu", 2.0), None)) == pytest.approx((4 * (12 + 5 + 4)) ** 0.5)

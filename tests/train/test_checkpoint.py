@@ -235,3 +235,69 @@ def test_checkpoint_files_are_dealt_by_bytes():
     assert sorted(sum(shares, [])) == sorted(sizes)                       # each file exactly once
     assert sorted(sum(sizes[f] for f in s) for s in shares) == [110, 120]
     assert deal(sizes, 2) == shares and deal(sizes, 8)[5:] == [[], [], []]
+
+
+def _resume_check_rank(rank: int, world: int, port: int, run_dir: str, out: str) -> None:
+    """One rank of test_resume_verification_is_shared_by_the_ranks: counts the bytes it hashes."""
+    import torch.distributed as dist
+
+    from fpscale.parallel.state import ParallelState
+    from fpscale.train import checkpoint
+    from fpscale.train.resume import choose_checkpoint
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    hashed, real = [], checkpoint.sha256_file
+
+    def counting(path):
+        hashed.append(os.path.getsize(path))
+        return real(path)
+    checkpoint.sha256_file = counting
+    state = ParallelState(rank=rank, world_size=world, dp_rank=rank, dp_size=world)
+    chosen = choose_checkpoint("auto", run_dir, state)
+    auto_bytes = sum(hashed)
+    try:
+        choose_checkpoint(os.path.join(run_dir, "checkpoints", "step_00000004"), run_dir, state)
+        error = None
+    except checkpoint.CheckpointError as exc:
+        error = str(exc)
+    json.dump({"chosen": chosen, "auto_bytes": auto_bytes, "error": error},
+              open(os.path.join(out, f"rank{rank}.json"), "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_resume_verification_is_shared_by_the_ranks(tmp_path):
+    """Resume checks a checkpoint with every rank hashing its share (as a save does), not every
+    rank (or rank 0) re-reading all of it: on 4 ranks each hashes at most a quarter of the bytes
+    plus one file, the files are each hashed once, and a damaged file is found whichever rank's
+    share it falls in, with the same answer on every rank (the newest checkpoint is skipped for
+    the one before it; naming it explicitly is an error on every rank)."""
+    import torch.multiprocessing as mp
+
+    from fpscale.train.checkpoint import write_manifest
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    sizes = [300_000, 200_000, 150_000, 120_000, 90_000, 60_000, 30_000, 10_000]
+    for step in (2, 4):
+        folder = run_dir / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        for i, n in enumerate(sizes):
+            (folder / f"shard_{i}.pt").write_bytes(os.urandom(n))
+        write_manifest(str(folder))
+    damaged = run_dir / "checkpoints" / "step_00000004" / "shard_5.pt"     # same size, other bytes
+    damaged.write_bytes(os.urandom(sizes[5]))
+    world = 4
+    ctx = mp.start_processes(_resume_check_rank, args=(world, free_port(), str(run_dir), str(out)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError("the ranks did not finish the resume check within 120 s")
+    ranks = [json.load(open(out / f"rank{r}.json")) for r in range(world)]
+    assert {r["chosen"] for r in ranks} == {str(run_dir / "checkpoints" / "step_00000002")}
+    assert all(r["error"] and "shard_5.pt fails its sha256 checksum" in r["error"] for r in ranks), ranks
+    # step 4 (stopped at the damaged file in one share) and step 2 in full: every rank a share of each
+    hashed = [r["auto_bytes"] for r in ranks]
+    assert max(hashed) <= 2 * (sum(sizes) / world + max(sizes)), hashed
+    assert sum(hashed) <= 2 * sum(sizes) and min(hashed) > 0, hashed
