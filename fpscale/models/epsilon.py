@@ -148,7 +148,6 @@ class EpsilonLayer(LoopedLayer):
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_ffn1", F.normalize(torch.randn(hidden, generator=g), dim=0))
         self.register_buffer("u_ffn2", F.normalize(torch.randn(hidden, generator=g), dim=0))   # of W2^T
-        self._power_step: int | None = None
         self.w_halt = torch.nn.Parameter(torch.empty(L, d))       # one halting head per step
         self.b_halt = torch.nn.Parameter(torch.zeros(L))
         init_linear(self.w_halt, cfg.init_std)
@@ -166,9 +165,7 @@ class EpsilonLayer(LoopedLayer):
     # -- the block ------------------------------------------------------------------------------
     def ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W1 and W2 divided by their largest singular values (under TP, of the whole matrices)."""
-        update = self.power_step_due(self._power_step)
-        if update:
-            self._power_step = self.optim_step
+        update = self.advance_power_step()
         total = self.shards.total
         w1 = spectral_normalize(self.w_ffn1, self.u_ffn1, 1, update, total)
         w2 = spectral_normalize(self.w_ffn2.t(), self.u_ffn2, 1, update, total).t()
@@ -193,7 +190,7 @@ class EpsilonLayer(LoopedLayer):
         return self.shards.exit(linear(merge_heads(out.to(x.dtype)), self.w_o)), entry, assign
 
     def ffn(self, hn: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        u = F.gelu(linear(self.shards.enter(hn), w1, self.b_ffn1.to(w1.dtype)))
+        u = F.gelu(linear(self.shards.enter(hn), w1, self.b_ffn1))
         with self.shards.rng():
             u = F.dropout(u, self.dropout, self.training)
         return self.shards.exit(linear(u, w2)) + self.b_ffn2
@@ -230,7 +227,7 @@ class EpsilonLayer(LoopedLayer):
             if t == 0 and assign is not None:     # the authors' entropy term: the first step's bins
                 entropy = self.shards.exit(assignment_entropy(assign) / self.n_heads)
             h = torch.where(halting.running[..., None], new_h, h)        # a halted token stays put
-            lam = torch.sigmoid(wide(linear(h, self.w_halt[t:t + 1], self.b_halt[t:t + 1].to(self.w_halt.dtype))))
+            lam = torch.sigmoid(wide(linear(h, self.w_halt[t:t + 1], self.b_halt[t:t + 1])))
             y = y + halting.step(lam[..., 0], last=t == steps - 1)[..., None] * h
             if not self.any_running(halting.running):
                 break
@@ -255,9 +252,8 @@ class EpsilonLayer(LoopedLayer):
         probs = halting.distribution()
         kl = halting_kl(probs, geometric_prior(spec.target_halting_mean, spec.max_steps, probs.dtype,
                                                probs.device)).mean()
-        depth = (probs * torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=probs.dtype)).sum(-1)
-        self.last_stats = HaltingStats(probs.shape[-1], steps, probs.detach(), depth.detach(), halting.halt_step,
-                                       kl.detach(), None if entropy is None else entropy.detach())
+        self.last_stats = HaltingStats(probs.shape[-1], steps, probs.detach(), halting.halt_step, kl.detach(),
+                                       None if entropy is None else entropy.detach())
         self.aux_loss = None
         if self.training:
             loss = spec.kl_weight * spec.kl_scale(self.optim_step) * kl

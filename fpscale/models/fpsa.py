@@ -85,7 +85,6 @@ class FPSAttention(FixedPointLayer):
             init_linear(w, init_std)
         init_linear(self.w_o, out_std)
         self.log_temp = torch.nn.Parameter(torch.zeros(n_heads)) if temperature else None
-        self._power_step: int | None = None     # the step whose forward last advanced u_q, u_k
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_q", F.normalize(torch.randn(d_model, generator=g), dim=0))
         self.register_buffer("u_k", F.normalize(torch.randn(d_model, generator=g), dim=0))
@@ -100,12 +99,10 @@ class FPSAttention(FixedPointLayer):
 
     def qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_Q, W_K divided by their largest singular values (the power iteration advances once
-        per optimizer step: ``power_step_due``)."""
+        per optimizer step: ``advance_power_step``)."""
         if not self.spectral_norm:
             return self.w_q, self.w_k
-        update = self.power_step_due(self._power_step)
-        if update:
-            self._power_step = self.optim_step
+        update = self.advance_power_step()
         total = self.shards.total
         return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update, total),
                 spectral_normalize(self.w_k, self.u_k, self.power_iters, update, total))

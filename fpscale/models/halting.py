@@ -80,15 +80,21 @@ class HaltingStats:
     iterations: int                 # applications of the block (the loop ran this many steps)
     max_iter: int                   # the cap it ran under (L_max, or the evaluation depth)
     distribution: torch.Tensor      # [B, T, iterations] p_t per token (sums to 1 per token)
-    expected_depth: torch.Tensor    # [B, T] sum_t t p_t per token
     halt_step: torch.Tensor         # [B, T] the step at which the token halted (1-based)
     kl: torch.Tensor                # mean KL of the tokens' halting distributions from the prior
     bin_entropy: torch.Tensor | None = None    # mean entropy of HQSA's key-to-bin assignment (nats)
 
+    @property
+    def expected_depth(self) -> torch.Tensor:
+        """[B, T] sum_t t p_t per token."""
+        p = self.distribution
+        return (p * torch.arange(1, p.shape[-1] + 1, device=p.device, dtype=p.dtype)).sum(-1)
+
     def to_dict(self) -> dict:
         depth = self.expected_depth.float().flatten()
         q = torch.quantile(depth, torch.tensor([0.5, 0.9], dtype=depth.dtype, device=depth.device)).tolist()
-        halted = [float((self.halt_step <= t).float().mean()) for t in range(1, self.max_iter + 1)]
+        steps = torch.arange(1, self.max_iter + 1, device=self.halt_step.device)
+        halted = (self.halt_step[..., None] <= steps).float().flatten(0, -2).mean(0).tolist()
         out = {"kind": "halting", "iterations": self.iterations, "max_iter": self.max_iter,
                "depth_mean": float(depth.mean()), "depth_p50": q[0], "depth_p90": q[1],
                "halt_step_mean": float(self.halt_step.float().mean()), "halted_by_step": halted,

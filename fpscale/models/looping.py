@@ -32,11 +32,15 @@ class LoopedLayer(torch.nn.Module):
         self.eval_depth: int | None = None
         self.last_stats: Any = None
         self.aux_loss: torch.Tensor | None = None
+        self._power_step: int | None = None   # the step whose forward last advanced a power iteration
 
-    def power_step_due(self, last: int | None) -> bool:
-        """Whether this forward advances a per-step power iteration last advanced at step ``last``:
-        training forwards with grad, once per optimizer step when the trainer sets the step (so
-        one process with 2 micro-batches and 2 data-parallel ranks with 1 do the same), else
-        every forward."""
-        new_step = self.optim_step is None or self.optim_step != last
-        return self.training and torch.is_grad_enabled() and new_step
+    def advance_power_step(self) -> bool:
+        """Whether this forward advances the layer's power iteration (spectral norms), and if so
+        records it: training forwards with grad, once per optimizer step when the trainer sets the
+        step (so one process with 2 micro-batches and 2 data-parallel ranks with 1 do the same),
+        else every forward."""
+        new_step = self.optim_step is None or self.optim_step != self._power_step
+        update = self.training and torch.is_grad_enabled() and new_step
+        if update:
+            self._power_step = self.optim_step
+        return update
