@@ -61,11 +61,12 @@ class Attention(torch.nn.Module):
     def tp_plan(self) -> dict[str, TPSplit]:
         return {"w_qkv": TPSplit(0, parts=3), "w_o": TPSplit(1)}     # [q; k; v], each split by heads
 
-    def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
+    def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
             out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
-                                       self.dropout if self.training else 0.0)
+                                       self.dropout if self.training else 0.0, pad)
         if cache is not None:
             cache["k"], cache["v"] = k, v
         return self.shards.exit(out)
@@ -86,6 +87,7 @@ class AttnBlock(torch.nn.Module):
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout)
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        x = x + F.dropout(self.attn(self.norm1(x), pos, cache), self.dropout, self.training)
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + F.dropout(self.attn(self.norm1(x), pos, cache, pad), self.dropout, self.training)
         return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)

@@ -140,15 +140,34 @@ class RMSNorm(torch.nn.Module):
 
 
 def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [T, head_dim/2] for the given absolute positions."""
+    """cos, sin of shape [*positions.shape, head_dim/2] for the given absolute positions."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    ang = positions.float()[:, None] * inv[None]
+    ang = positions.float()[..., None] * inv
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Tensor):
-    """cos, sin for the positions [pos, pos + length) of a block of new tokens."""
-    return rope_tables(head_dim, torch.arange(pos, pos + length, device=like.device), theta, like.dtype)
+def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Tensor,
+              pad: torch.Tensor | None = None):
+    """cos, sin for the positions [pos, pos + length) of a block of new tokens: [T, head_dim/2];
+    with left padding (``pad``, see ``real_tokens``) each row counts from its first real token:
+    [B, 1, T, head_dim/2]."""
+    positions = torch.arange(pos, pos + length, device=like.device)
+    if pad is None:
+        return rope_tables(head_dim, positions, theta, like.dtype)
+    cos, sin = rope_tables(head_dim, (positions[None] - pad[:, None]).clamp_min(0), theta, like.dtype)
+    return cos[:, None], sin[:, None]
+
+
+def real_tokens(pad: torch.Tensor | None, pos: int, length: int) -> torch.Tensor | None:
+    """Which of the new tokens [pos, pos + length) are real: [B, T] bool, or None without padding.
+
+    ``pad`` [B] counts each row's left padding: positions below pad[b] are padding. A padded
+    position contributes nothing that a real token reads (attention keys, conv and scan inputs,
+    HQSA bins, the solver's stop test), so a padded row computes what the row alone computes.
+    """
+    if pad is None:
+        return None
+    return torch.arange(pos, pos + length, device=pad.device)[None] >= pad[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,17 +177,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: torch.Tensor | float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                     scale: torch.Tensor | float | None = None, dropout_p: float = 0.0,
+                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, H, Tq, dh] over k, v [B, H, Tk, dh] with Tk >= Tq.
 
     The query block sits at the end of the key sequence (decoding with a cache): the mask is
     aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature);
-    ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval).
-    flash-attn is used on CUDA for fp16/bf16 with a scalar scale (``flash_attn_for``); SDPA otherwise.
+    ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval);
+    ``pad`` [B] hides each row's left padding from every query (a padded query sees itself).
+    flash-attn is used on CUDA for fp16/bf16 with a scalar scale and no padding
+    (``flash_attn_for``); SDPA otherwise.
     """
     Tq, Tk = q.shape[-2], k.shape[-2]
     per_head = isinstance(scale, torch.Tensor)
-    flash = None if per_head else flash_attn_for(q)
+    flash = None if per_head or pad is not None else flash_attn_for(q)
     if flash is not None:
         out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                               softmax_scale=scale, dropout_p=dropout_p)
@@ -176,31 +198,40 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
         q = q * scale.view(1, -1, 1, 1).to(q.dtype)
         scale = 1.0
-    if Tq == Tk:
+    if Tq == Tk and pad is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    if pad is not None:
+        keys = torch.arange(Tk, device=q.device)
+        own = keys[None] == torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+        mask = mask & ((keys >= pad[:, None, None, None]) | own)          # [B, 1, Tq, Tk]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 
 def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head_dim: int, cos, sin,
-                   past: dict | None = None, dropout_p: float = 0.0):
+                   past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
-    tokens. Returns (output, k, v) with k, v covering past and new tokens."""
+    tokens; ``pad`` the rows' left padding. Returns (output, k, v) with k, v covering past and
+    new tokens."""
     q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if past:
         k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
-    return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p)), w_o), k, v
+    return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p, pad=pad)), w_o), k, v
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, past: torch.Tensor | None):
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, past: torch.Tensor | None,
+                real: torch.Tensor | None = None):
     """Causal depthwise conv over time of x [B, T, C]; ``past`` holds the last k - 1 inputs of
-    earlier tokens (decoding). Returns (output [B, T, C], the window to cache)."""
+    earlier tokens (decoding); ``real`` [B, T] (``real_tokens``) zeroes padded inputs, as the
+    zeros before the first token. Returns (output [B, T, C], the window to cache)."""
     k = weight.shape[-1]
+    if real is not None:
+        x = x.masked_fill(~real[..., None], 0.0)
     window = torch.cat([past, x], 1) if past is not None else F.pad(x, (0, 0, k - 1, 0))
     out = F.conv1d(window.transpose(1, 2), weight, bias, groups=x.shape[-1]).transpose(1, 2)[:, -x.shape[1]:]
     return out, window[:, window.shape[1] - (k - 1):]

@@ -42,6 +42,7 @@ from fpscale.models.common import (
     init_linear,
     linear,
     merge_heads,
+    real_tokens,
     rope_span,
     spectral_normalize,
     split_heads,
@@ -171,7 +172,7 @@ class EpsilonLayer(LoopedLayer):
         w2 = spectral_normalize(self.w_ffn2.t(), self.u_ffn2, 1, update, total).t()
         return w1, w2
 
-    def attend(self, hn: torch.Tensor, cos, sin, past: dict | None):
+    def attend(self, hn: torch.Tensor, cos, sin, past: dict | None, pad=None, real=None):
         """(this shard's heads' output summed over the shards, the cache entry covering past and
         new tokens, the bin assignment or None)."""
         x = self.shards.enter(hn)
@@ -183,9 +184,11 @@ class EpsilonLayer(LoopedLayer):
                 k = apply_rope(k, cos, sin)
                 if past:
                     k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
-                out, entry = causal_attention(apply_rope(q, cos, sin), k, v, dropout_p=p), {"k": k, "v": v}
+                out, entry = causal_attention(apply_rope(q, cos, sin), k, v, dropout_p=p, pad=pad), {"k": k, "v": v}
             else:
                 assign = bin_assignment(k, self.shards.enter(self.w_bin), self.prototypes, self.log_tau)
+                if real is not None:      # padded keys join no bin
+                    assign = assign.masked_fill(~real[:, None, :, None], 0.0)
                 out, entry = causal_hqsa(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, assign, past, p)
         return self.shards.exit(linear(merge_heads(out.to(x.dtype)), self.w_o)), entry, assign
 
@@ -195,10 +198,10 @@ class EpsilonLayer(LoopedLayer):
             u = F.dropout(u, self.dropout, self.training)
         return self.shards.exit(linear(u, w2)) + self.b_ffn2
 
-    def block(self, h: torch.Tensor, ffn_w, cos, sin, past: dict | None):
+    def block(self, h: torch.Tensor, ffn_w, cos, sin, past: dict | None, pad=None, real=None):
         """One application to the float32 state h: (new h, cache entry, bin assignment)."""
         alpha = self.spec.alpha_res
-        out, entry, assign = self.attend(center_norm(h, self.norm1_w, self.norm1_b), cos, sin, past)
+        out, entry, assign = self.attend(center_norm(h, self.norm1_w, self.norm1_b), cos, sin, past, pad, real)
         h = h + alpha * F.dropout(out, self.dropout, self.training)
         out = self.ffn(center_norm(h, self.norm2_w, self.norm2_b), *ffn_w)
         return h + alpha * F.dropout(out, self.dropout, self.training), entry, assign
@@ -211,10 +214,12 @@ class EpsilonLayer(LoopedLayer):
             flag = self.shards.consensus(flag)
         return bool(flag.item())
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
         steps = spec.max_steps if self.training or self.eval_depth is None else min(spec.max_steps, self.eval_depth)
-        cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x)
+        cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x, pad)
+        real = real_tokens(pad, pos, x.shape[1])
         ffn_w = self.ffn_weights()
         past = cache.get("steps") if cache else None
         h = wide(x)
@@ -222,7 +227,7 @@ class EpsilonLayer(LoopedLayer):
         y = torch.zeros_like(h)
         entries, entropy = [], None
         for t in range(steps):
-            new_h, entry, assign = self.block(h, ffn_w, cos, sin, past[t] if past else None)
+            new_h, entry, assign = self.block(h, ffn_w, cos, sin, past[t] if past else None, pad, real)
             entries.append(entry)
             if t == 0 and assign is not None:     # the authors' entropy term: the first step's bins
                 entropy = self.shards.exit(assignment_entropy(assign) / self.n_heads)
@@ -232,17 +237,19 @@ class EpsilonLayer(LoopedLayer):
             if not self.any_running(halting.running):
                 break
         if cache is not None:
-            cache["steps"] = self.cache_entries(entries, h, cos, sin, past)
+            cache["steps"] = self.cache_entries(entries, h, cos, sin, past, pad, real)
         self.record(halting, entropy, steps)
         return y.to(x.dtype)
 
     @torch.no_grad()
-    def cache_entries(self, entries: list, h: torch.Tensor, cos, sin, past: list | None) -> list:
+    def cache_entries(self, entries: list, h: torch.Tensor, cos, sin, past: list | None, pad=None,
+                      real=None) -> list:
         """Every step's keys and values (or HQSA's running sums) of past and new tokens, for
         decoding. Steps the loop did not reach read the final, halted states."""
         out = [{key: t.detach() for key, t in e.items()} for e in entries]
         for t in range(len(entries), self.spec.max_steps):
-            _, entry, _ = self.attend(center_norm(h, self.norm1_w, self.norm1_b), cos, sin, past[t] if past else None)
+            _, entry, _ = self.attend(center_norm(h, self.norm1_w, self.norm1_b), cos, sin, past[t] if past else None,
+                                      pad, real)
             out.append({key: v.detach() for key, v in entry.items()})
         return out
 

@@ -34,8 +34,12 @@ class FixedPointLayer(LoopedLayer):
     def phantom_steps(self) -> int:      # type: ignore[override]
         return self.solver.phantom_steps
 
-    def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor) -> torch.Tensor:
+    def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
+                    real: torch.Tensor | None = None) -> torch.Tensor:
+        """z* of f from z0; ``real`` [B, T] marks the real tokens of left-padded rows (padding
+        never holds up the stop test)."""
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
-                                   state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth)
+                                   state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
+                                   real=real)
         return z

@@ -35,6 +35,7 @@ from fpscale.models.common import (
     linear,
     mlp_flops,
     mlp_tp_divisor,
+    real_tokens,
     swiglu_hidden,
     wide,
 )
@@ -152,8 +153,9 @@ class FPMambaMixer(FixedPointLayer):
         ms = self.shards.total(t.pow(2).sum(-1, keepdim=True)) / self.d_inner
         return t * torch.rsqrt(ms + self.norm_eps) * self.out_norm_w
 
-    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False):
-        """One application of f: y -> y_new (and the final scan state), y in float32."""
+    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False, real=None):
+        """One application of f: y -> y_new (and the final scan state), y in float32. ``real``
+        [B, T] (left padding): padded tokens feed nothing into the scan and their y stays 0."""
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
@@ -167,21 +169,27 @@ class FPMambaMixer(FixedPointLayer):
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(wide(linear(dt_low, self.dt_proj)) + self.dt_bias)          # [B, T, di]
         lam = torch.exp(-delta.unsqueeze(-1) * wide(self.A_log).exp())                 # [B, T, di, N]
+        if real is not None:
+            x_t = x_t.masked_fill(~real[..., None], 0.0)
         h = scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
         y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
+        if real is not None:
+            y_new = y_new.masked_fill(~real[..., None], 0.0)
         return (y_new, h[:, -1]) if return_state else y_new
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         xc, g = F.linear(self.shards.enter(x), self.w_in).chunk(2, dim=-1)   # this shard's channels
-        conv, window = causal_conv(xc, self.conv_w, self.conv_b, cache.get("conv") if cache else None)
+        real = real_tokens(pad, pos, x.shape[1])
+        conv, window = causal_conv(xc, self.conv_w, self.conv_b, cache.get("conv") if cache else None, real)
         u = F.silu(conv)
         gate = F.silu(g)
         y_prev = cache.get("y") if cache else None
         h0 = cache.get("h") if cache else None
-        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0), torch.zeros_like(u))
+        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0, real=real), torch.zeros_like(u), real)
         if cache is not None:
             with torch.no_grad():
-                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
+                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, real=real)
             cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
         return self.shards.exit(linear(y, self.w_out))
 
@@ -197,8 +205,9 @@ class FPMambaBlock(torch.nn.Module):
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
-        x = x + F.dropout(self.mixer(self.norm(x), pos, cache), self.dropout, self.training)
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + F.dropout(self.mixer(self.norm(x), pos, cache, pad), self.dropout, self.training)
         if self.mlp is None:
             return x
         return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)

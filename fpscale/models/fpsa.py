@@ -37,6 +37,7 @@ from fpscale.models.common import (
     linear,
     merge_heads,
     mlp_flops,
+    real_tokens,
     rms_norm,
     rope_span,
     spectral_normalize,
@@ -107,14 +108,15 @@ class FPSAttention(FixedPointLayer):
         return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update, total),
                 spectral_normalize(self.w_k, self.u_k, self.power_iters, update, total))
 
-    def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         wq, wk = self.qk_weights()
         shards = self.shards                # under TP: this rank's heads; z stays whole
         v = split_heads(F.linear(shards.enter(h), self.w_v), self.head_dim)
         past_k = cache.get("k") if cache is not None else None
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
-        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h)
+        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
         scale = self.head_dim ** -0.5
         if self.log_temp is not None:      # one temperature per (local) head
             scale = self.log_temp.exp() * scale
@@ -130,9 +132,9 @@ class FPSAttention(FixedPointLayer):
             q = apply_rope(split_heads(linear(zn, wq), self.head_dim), cos, sin)
             k = keys(zn)
             k_all = k if past_k is None else torch.cat([past_k, k], 2)
-            return shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v_all, scale)), self.w_o))
+            return shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v_all, scale, pad=pad)), self.w_o))
 
-        z = self.fixed_point(f, h)
+        z = self.fixed_point(f, h, real_tokens(pad, pos, h.shape[1]))
         if cache is not None:
             with torch.no_grad():
                 k_new = keys(read(z.detach()))

@@ -2,6 +2,10 @@
 
     out = fpscale.generate(model, prompt, max_new_tokens=32)                   # greedy, cached
     out, logits = fpscale.generate(model, prompt, 32, use_cache=False, return_logits=True)
+    out = fpscale.generate(model, prompts, 32, pad=pad)    # a batch of left-padded prompts
+
+``pad`` [B] counts each prompt's left padding (the rows of a batch of prompts of different
+lengths are right-aligned); every row then decodes as it would alone.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 @torch.no_grad()
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              use_cache: bool = True, top_k: int | None = None, generator: torch.Generator | None = None,
-             return_logits: bool = False):
+             return_logits: bool = False, pad: torch.Tensor | None = None):
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if max_new_tokens < 0:
@@ -25,7 +29,7 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
     model.eval()
     try:
         caches = model.new_caches() if use_cache else None
-        logits = model(tokens, caches=caches)[:, -1]
+        logits = model(tokens, caches=caches, pad=pad)[:, -1]
         steps = []
         for i in range(max_new_tokens):
             steps.append(logits)
@@ -41,9 +45,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
             if i == max_new_tokens - 1:
                 break
             if use_cache:
-                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1)[:, -1]
+                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)[:, -1]
             else:
-                logits = model(tokens)[:, -1]
+                logits = model(tokens, pad=pad)[:, -1]
     finally:
         model.train(was_training)
     return (tokens, torch.stack(steps, 1) if steps else logits[:, :0]) if return_logits else tokens

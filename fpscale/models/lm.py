@@ -42,7 +42,8 @@ class LoopedLM(torch.nn.Module):
             self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
 
     # -- the forward pass -------------------------------------------------------------------
-    def hidden(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
+               pad: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         if pos + tokens.shape[1] > self.cfg.max_seq_len:
@@ -51,19 +52,28 @@ class LoopedLM(torch.nn.Module):
         x = self.embed(tokens)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
+        if pad is not None and (pad.shape != tokens.shape[:1] or pad.dtype != torch.long):
+            raise ValueError(f"pad must be a long tensor [batch] = {list(tokens.shape[:1])}, got "
+                             f"{pad.dtype} {list(pad.shape)}")
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, caches[i] if caches is not None else None)
+            cache = caches[i] if caches is not None else None
+            x = layer(x, pos, cache) if pad is None else layer(x, pos, cache, pad=pad)
         return self.norm(x)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head
 
     def forward(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]; with ``targets``, the loss to minimise instead: the mean
         cross-entropy plus, in training, the looped layers' auxiliary losses (epsilon's halting
-        KL). ``last_losses`` keeps both parts of it apart, on the device."""
-        logits = self.output(self.hidden(tokens, caches, pos))
+        KL). ``last_losses`` keeps both parts of it apart, on the device.
+
+        ``pad`` [B] (long) is each row's left padding, counted in positions from the start of
+        the sequence (the same tensor at every decoding step): a padded row computes what the
+        row alone computes (positions count from its first real token; padding is never read).
+        Every layer type takes it as ``pad`` in its forward."""
+        logits = self.output(self.hidden(tokens, caches, pos, pad))
         if targets is None:
             return logits
         ce = self.cross_entropy(logits, targets)

@@ -26,6 +26,7 @@ from fpscale.models.common import (
     init_linear,
     mlp_flops,
     rms_norm,
+    real_tokens,
     rope_span,
     self_attention,
     swiglu,
@@ -111,42 +112,45 @@ class LoopedCore(FixedPointLayer):
         b1 = b2 * (1 - a1) / (1 - a1L)
         return a1, b1, a2, b2
 
-    def attention(self, l: int, z, cos, sin, past: dict | None):
+    def attention(self, l: int, z, cos, sin, past: dict | None, pad=None):
         """Sublayer l's attention; under TP this shard's heads, their outputs summed (z stays whole)."""
         h = self.shards.enter(rms_norm(z, self.attn_norm[l], self.eps))
-        out, k, v = self_attention(h, self.w_qkv[l], self.w_o[l], self.head_dim, cos, sin, past)
+        out, k, v = self_attention(h, self.w_qkv[l], self.w_o[l], self.head_dim, cos, sin, past, pad=pad)
         return self.shards.exit(out), k, v
 
     def mlp(self, l: int, z):
         h = self.shards.enter(rms_norm(z, self.mlp_norm[l], self.eps))
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
-    def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None):
+    def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None, pad=None):
         """One pass of the core over the float32 iterate z; the sublayers compute in the weights'
         dtype (their norms return it), the residual mixing stays in float32."""
         a1, b1, _, _ = self.scalings()
         for l in range(self.blocks):
-            out, k, v = self.attention(l, z, cos, sin, caches[l] if caches else None)
+            out, k, v = self.attention(l, z, cos, sin, caches[l] if caches else None, pad)
             if collect is not None:
                 collect.append((k, v))
             z = a1 * z + b1 * out
             z = a1 * z + b1 * self.mlp(l, z)
         return z
 
-    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         x_in, window = x, None
+        real = real_tokens(pad, pos, x.shape[1])
         if self.conv_w is not None:
-            conv, window = causal_conv(x, self.conv_w, None, cache.get("conv") if cache else None)
+            conv, window = causal_conv(x, self.conv_w, None, cache.get("conv") if cache else None, real)
             x_in = x + conv
-        cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x)
+        cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x, pad)
         caches = cache.get("kv") if cache else None
         _, _, a2, b2 = self.scalings()
         inject = b2 * x_in
-        s = self.fixed_point(lambda s: self.one_pass(a2 * s + inject, cos, sin, caches), torch.zeros_like(x))
+        s = self.fixed_point(lambda s: self.one_pass(a2 * s + inject, cos, sin, caches, pad=pad),
+                             torch.zeros_like(x), real)
         if cache is not None:
             collected: list = []
             with torch.no_grad():
-                self.one_pass(a2 * s.detach() + inject, cos, sin, caches, collected)
+                self.one_pass(a2 * s.detach() + inject, cos, sin, caches, collected, pad)
             cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
             if window is not None:
                 cache["conv"] = window.detach()

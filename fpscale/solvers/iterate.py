@@ -160,7 +160,7 @@ def quantile_limit(quantile: float, batch: int) -> int:
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
-            max_iter: int | None = None) -> IterateResult:
+            max_iter: int | None = None, real: torch.Tensor | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
@@ -192,6 +192,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         with torch.no_grad():
             res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
             res = torch.where(frozen, token_res, res)
+            if real is not None:                  # padding converges at once and stays frozen
+                res = res.masked_fill(~real, 0.0)
             sample_res = res.amax(1)
             finite = torch.isfinite(sample_res)
             # flags this rank saw; under TP their MAX over the group is what every rank acts on

@@ -23,7 +23,8 @@ from fpscale.solvers.stats import SolverStats
 
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
           *, training: bool | None = None, consensus: Consensus | None = None,
-          state_reduce: StateReduce | None = None, max_iter: int | None = None) -> tuple[torch.Tensor, SolverStats]:
+          state_reduce: StateReduce | None = None, max_iter: int | None = None,
+          real: torch.Tensor | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
     training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
@@ -33,6 +34,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     state_reduce  completes per-token norms over a group when z is split over it (the
                channels of a tensor-parallel FP-Mamba layer); None when z is whole on every rank.
     max_iter   overrides the cap for this call (randomised caps, an evaluation depth).
+    real       [batch, tokens] bool: the tokens that count in the stop test (left padding is
+               not real; its residual counts as 0, so it never holds a sample's solve up).
     Returns (z, stats); z is in the solver's state dtype (float32 unless z0 is float64) and,
     with grad mode on, carries the gradient of ``config.backward``. The tolerances are raised to
     what the dtype f computes in can resolve (:mod:`fpscale.solvers.precision`).
@@ -58,7 +61,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                         state_reduce=state_reduce, max_iter=cap)
+                         state_reduce=state_reduce, max_iter=cap, real=real)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
                         final_eta=result.eta, tol=cfg.tol)

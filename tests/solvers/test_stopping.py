@@ -284,3 +284,23 @@ def test_nonsense_solver_config_names_the_key(key, value, needle):
     with pytest.raises(ConfigError) as info:
         from_dict(SolverConfig, {key: value}, "solver")
     assert needle in str(info.value)
+def test_padding_never_holds_a_solve_up():
+    """Tokens marked not ``real`` (left padding) count as converged in the stop test: a map that
+    never settles on them leaves the real tokens' solve, its iterations and its result as they are
+    without the padding."""
+    def f(z):       # contracts on the last 3 tokens, flips sign forever on the first 2
+        flip = torch.zeros_like(z, dtype=torch.bool)
+        flip[:, :2] = True
+        return torch.where(flip, 3.0 - z, 0.5 * z + 1.0)
+
+    cfg = SolverConfig(tol=1e-6, max_iter=200, damping=1.0, patience=0)
+    z0 = torch.zeros(2, 5, 4)
+    real = torch.ones(2, 5, dtype=torch.bool)
+    real[:, :2] = False
+    with torch.no_grad():
+        z, stats = solve(f, z0, cfg, training=False, real=real)
+        alone, alone_stats = solve(lambda z: 0.5 * z + 1.0, z0[:, 2:], cfg, training=False)
+        _, unmasked = solve(f, z0, cfg, training=False)
+    assert stats.stopped_by == "converged" and stats.iterations == alone_stats.iterations
+    assert torch.equal(z[:, 2:], alone)
+    assert unmasked.stopped_by == "max_iter"       # without the mask the padding holds it up
