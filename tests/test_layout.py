@@ -2,7 +2,7 @@
 itself back through others. Lowest first (the README's "Layout"):
 
     base (errors, typed, log, files, profiling) -> solvers -> models -> parallel -> data
-        -> train (and fpscale.config, the run config that assembles every section) -> eval
+        -> train (and fpscale.config, the run config that assembles every section) -> eval -> hf
         -> cli (the commands; launch/*.py are their script form)
 
 Every import counts, also one inside a function (a lazy import is still a dependency); only
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "fpscale"
-ORDER = ["base", "solvers", "models", "parallel", "data", "train", "eval", "cli"]
+ORDER = ["base", "solvers", "models", "parallel", "data", "train", "eval", "hf", "cli"]
 BASE = {"fpscale.errors", "fpscale.typed", "fpscale.log", "fpscale.files", "fpscale.profiling"}
 
 

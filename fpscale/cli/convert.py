@@ -1,7 +1,11 @@
-"""Convert between sharded checkpoints and one safetensors file.
+"""Convert between sharded checkpoints, one safetensors file and a Hugging Face model folder.
 
     # sharded checkpoint (any TP x DP x ZeRO layout, or one process) -> model.safetensors + config.yaml
     python launch/convert.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --out exported/
+
+    # -> a Hugging Face folder: AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    #    (the tokenizer: beside the config's token shards, or --tokenizer; fpscale.hf)
+    python launch/convert.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --to hf --out exported/hf
 
     # and back: whole weights -> a step-0 sharded checkpoint of run NAME on this launch's layout,
     # which `launch/pretrain.py ... name=NAME` then resumes (fresh optimizer, the weights kept)
@@ -19,8 +23,14 @@ import sys
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="sharded checkpoint folder to consolidate")
-    ap.add_argument("--out", help="output folder for model.safetensors + config.yaml")
+    ap.add_argument("--checkpoint", help="sharded checkpoint folder to consolidate (--to hf: or exported weights)")
+    ap.add_argument("--out", help="output folder for model.safetensors + config.yaml (or the HF folder)")
+    ap.add_argument("--to", choices=["safetensors", "hf"], default="safetensors",
+                    help="what --checkpoint becomes: fpscale's safetensors + config.yaml, or a Hugging Face folder")
+    ap.add_argument("--tokenizer", help="--to hf: the SentencePiece model (default: beside the config's data.path)")
+    ap.add_argument("--no-tokenizer", action="store_true", help="--to hf: no tokenizer (synthetic-token models)")
+    ap.add_argument("--eval-depth", type=int, default=None,
+                    help="--to hf: the evaluation depth recorded in config.json (default: each layer's eval_max_iter)")
     ap.add_argument("--weights", help="folder with model.safetensors + config.yaml to shard")
     ap.add_argument("--name", help="run name of the sharded checkpoint written from --weights")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of the weights' config")
@@ -31,9 +41,18 @@ def main(argv=None) -> int:
     try:
         if args.checkpoint and args.out:
             from fpscale.train.checkpoint import export_safetensors, verify
-            problem = verify(args.checkpoint)
-            if problem:
-                raise CheckpointError(f"cannot convert {args.checkpoint}: {problem}")
+            if os.path.exists(os.path.join(args.checkpoint, "meta.json")):
+                problem = verify(args.checkpoint)
+                if problem:
+                    raise CheckpointError(f"cannot convert {args.checkpoint}: {problem}")
+            if args.to == "hf":
+                from fpscale.hf.export import export_hf
+                if args.eval_depth is not None and args.eval_depth < 1:
+                    raise ValueError(f"--eval-depth must be >= 1, got {args.eval_depth}")
+                export_hf(args.checkpoint, args.out, False if args.no_tokenizer else args.tokenizer, args.eval_depth)
+                print(f"wrote the Hugging Face folder {args.out} (AutoModelForCausalLM.from_pretrained(..., "
+                      f"trust_remote_code=True))")
+                return 0
             export_safetensors(args.checkpoint, args.out)
             print(f"wrote {os.path.join(args.out, 'model.safetensors')} and config.yaml")
             return 0
