@@ -1,4 +1,4 @@
-"""Convert between sharded checkpoints and one safetensors file.
+"""Convert between sharded checkpoints, one safetensors file and a Hugging Face folder.
 
 The command itself is fpscale/cli/convert.py (installed as ``fpscale-convert``); this file is its
 script form, for ``python launch/convert.py``, ``deepspeed launch/convert.py`` and ``torchrun``.

@@ -38,7 +38,7 @@ stamp=".venv/.fpscale-pyproject.sha256"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[setup] installing fpscale and its dependencies"
-    quiet $PIP install -e ".[dev]"
+    quiet $PIP install -e ".[dev,hf]"
     echo "$want" > "$stamp"
 fi
 # DeepSpeed JIT-builds its shared-memory comm op on the first CPU run (~1 min): build it now
