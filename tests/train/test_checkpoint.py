@@ -301,3 +301,31 @@ def test_resume_verification_is_shared_by_the_ranks(tmp_path):
     hashed = [r["auto_bytes"] for r in ranks]
     assert max(hashed) <= 2 * (sum(sizes) / world + max(sizes)), hashed
     assert sum(hashed) <= 2 * sum(sizes) and min(hashed) > 0, hashed
+
+
+def test_a_tp2_checkpoint_exports_the_hf_model_of_its_one_process_consolidation(tmp_path, straight):
+    """--to hf from a TP2 checkpoint: the same weights as from convert.py's one-process
+    consolidation, and the Hugging Face model's validation loss is the one the TP2 run measured."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from fpscale.data.synthetic import SyntheticTask
+    ref = straight("tp2")
+    ckpt = ref / "checkpoints" / "step_00000004"
+    want = records(ref.parent, "tp2", "val")[4]["val_loss"]
+    run([sys.executable, "launch/convert.py", "--checkpoint", str(ckpt), "--to", "hf", "--no-tokenizer",
+         "--out", str(tmp_path / "hf_tp2")], timeout=300)
+    run([sys.executable, "launch/convert.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "weights")],
+        timeout=300)
+    run([sys.executable, "launch/convert.py", "--checkpoint", str(tmp_path / "weights"), "--to", "hf",
+         "--no-tokenizer", "--out", str(tmp_path / "hf_one")], timeout=300)
+    a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("hf_tp2", "hf_one"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "hf_tp2" / "config.json")) == json.load(open(tmp_path / "hf_one" / "config.json"))
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_tp2"), trust_remote_code=True).eval()
+    cfg = fpscale.load_config(str(tmp_path / "weights" / "config.yaml"))
+    val = SyntheticTask(cfg.data.task, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1_000_003, cfg.data.period)
+    with torch.no_grad():
+        losses = [float(hf(b, labels=b).loss) for b in (val.batch(list(range(i, i + 4))) for i in range(0, 16, 4))]
+    assert sum(losses) / 4 == pytest.approx(want, rel=1e-5)
