@@ -6,8 +6,8 @@ previous iterate (y^0 = 0), one application of f is
     x~_t    = Q_t (u_t - y_t) + y_t                      Q_t: channel mixer (fpscale.models.mixers)
     B_t, C_t = normalize(W_B^x u_t + W_B^y y_s),  likewise C
     Delta_t = softplus(W_dt (W_d^x u_t + W_d^y y_s) + b_dt),  lambda_t = exp(-Delta_t A)
-    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (chunked parallel scan)
-    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )
+    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan: chunked, contracted
+    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )       with C on the fly, h never stored whole)
 and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
 the converged y of the last token, and iterates only the new token.
 
@@ -41,7 +41,7 @@ from fpscale.models.common import (
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops
 from fpscale.models.registry import FixedPointSpec
-from fpscale.models.scan import scan
+from fpscale.models.scan import selective_scan
 
 
 def scan_flops(d_inner: int, d_state: int) -> float:
@@ -166,10 +166,10 @@ class FPMambaMixer(FixedPointLayer):
         dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(wide(linear(dt_low, self.dt_proj)) + self.dt_bias)          # [B, T, di]
-        lam = torch.exp(-delta.unsqueeze(-1) * wide(self.A_log).exp())                 # [B, T, di, N]
-        h = scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
-        y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
-        return (y_new, h[:, -1]) if return_state else y_new
+        # h_t = exp(-Delta_t A) h_{t-1} + Delta_t x~_t B_t^T, read by C_t: only y and the last state leave
+        y_scan, h_last = selective_scan(x_t, delta, -wide(self.A_log).exp(), Bm, Cm, h0)
+        y_new = self._rms(gate * (y_scan + self.D * x_t))
+        return (y_new, h_last) if return_state else y_new
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None) -> torch.Tensor:
         xc, g = F.linear(self.shards.enter(x), self.w_in).chunk(2, dim=-1)   # this shard's channels
