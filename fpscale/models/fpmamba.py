@@ -39,7 +39,7 @@ from fpscale.models.common import (
     wide,
 )
 from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops
+from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.models.registry import FixedPointSpec
 from fpscale.models.scan import selective_scan
 
@@ -89,11 +89,12 @@ class FPMambaSpec(FixedPointSpec):
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state
         dt_rank = -(-d // 16)
-        feeds = 2 if self.y_feedback else 1
-        per_iter = (mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
-                    + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di + scan_flops(di, N))
+        # the projections of u (mixer, x_proj) once per solve; those of y, dt_proj and the scan per iteration
+        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
+        proj = 2 * di * (dt_rank + 2 * N)
+        per_iter = mix_iter + (proj if self.y_feedback else 0.0) + 2 * dt_rank * di + scan_flops(di, N)
         mlp = mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)) if self.mlp else 0.0
-        return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp, per_iter
+        return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp + mix_static + proj, per_iter
 
 
 class FPMambaMixer(FixedPointLayer):
@@ -152,14 +153,22 @@ class FPMambaMixer(FixedPointLayer):
         ms = self.shards.total(t.pow(2).sum(-1, keepdim=True)) / self.d_inner
         return t * torch.rsqrt(ms + self.norm_eps) * self.out_norm_w
 
-    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False):
-        """One application of f: y -> y_new (and the final scan state), y in float32."""
+    def static(self, u: torch.Tensor) -> dict:
+        """What f computes from the static input u alone, once per solve: the x-halves of the
+        mixer's projections and u W_x (the iterations add their y-halves to the same numbers)."""
+        return {"mixer": mixer_static(self.mixer, self.mixer_params(), u, self.shards),
+                "x_proj": linear(u, self.x_proj)}
+
+    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False, static=None):
+        """One application of f: y -> y_new (and the final scan state), y in float32.
+        ``static``: ``self.static(u)``, computed once per solve (None: computed here)."""
+        static = self.static(u) if static is None else static
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
         x_t = apply_mixer(self.mixer, self.mixer_params(), wide(u) - y, u, y_c, self.negative_eigs,
-                          self.shards) + y
-        proj = linear(u, self.x_proj)
+                          self.shards, static["mixer"]) + y
+        proj = static["x_proj"]
         if self.y_proj is not None:
             proj = proj + linear(y_s, self.y_proj)
         proj = wide(self.shards.total(proj))     # x_proj, y_proj are row-parallel under TP
@@ -178,10 +187,11 @@ class FPMambaMixer(FixedPointLayer):
         gate = F.silu(g)
         y_prev = cache.get("y") if cache else None
         h0 = cache.get("h") if cache else None
-        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0), torch.zeros_like(u))
+        static = self.static(u)
+        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0, static=static), torch.zeros_like(u))
         if cache is not None:
             with torch.no_grad():
-                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True)
+                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, static=static)
             cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
         return self.shards.exit(linear(y, self.w_out))
 
