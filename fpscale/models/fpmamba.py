@@ -6,7 +6,7 @@ previous iterate (y^0 = 0), one application of f is
     x~_t    = Q_t (u_t - y_t) + y_t                      Q_t: channel mixer (fpscale.models.mixers)
     B_t, C_t = normalize(W_B^x u_t + W_B^y y_s),  likewise C
     Delta_t = softplus(W_dt (W_d^x u_t + W_d^y y_s) + b_dt),  lambda_t = exp(-Delta_t A)
-    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan: chunked, contracted
+    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan_kernels: chunked, contracted
     y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )       with C on the fly, h never stored whole)
 and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
 the converged y of the last token, and iterates only the new token.
@@ -41,7 +41,7 @@ from fpscale.models.common import (
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.models.registry import FixedPointSpec
-from fpscale.models.scan import selective_scan
+from fpscale.models.scan_kernels import scan
 
 
 def scan_flops(d_inner: int, d_state: int) -> float:
@@ -176,7 +176,7 @@ class FPMambaMixer(FixedPointLayer):
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(wide(linear(dt_low, self.dt_proj)) + self.dt_bias)          # [B, T, di]
         # h_t = exp(-Delta_t A) h_{t-1} + Delta_t x~_t B_t^T, read by C_t: only y and the last state leave
-        y_scan, h_last = selective_scan(x_t, delta, -wide(self.A_log).exp(), Bm, Cm, h0)
+        y_scan, h_last = scan(x_t, delta, -wide(self.A_log).exp(), Bm, Cm, h0)
         y_new = self._rms(gate * (y_scan + self.D * x_t))
         return (y_new, h_last) if return_state else y_new
 
