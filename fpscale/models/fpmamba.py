@@ -188,7 +188,8 @@ class FPMambaMixer(FixedPointLayer):
         y_prev = cache.get("y") if cache else None
         h0 = cache.get("h") if cache else None
         static = self.static(u)
-        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0, static=static), torch.zeros_like(u))
+        step = self.compiled(self.step)
+        y = self.fixed_point(lambda yy: step(yy, u, gate, y_prev, h0, static=static), torch.zeros_like(u))
         if cache is not None:
             with torch.no_grad():
                 _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, static=static)
