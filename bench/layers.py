@@ -1,9 +1,14 @@
 """Per layer type at equal width, in fp32 and bf16 side by side (the block cast to bf16, as
 DeepSpeed's bf16 mode does): median solver iterations, forward+backward time per token, bytes
-saved for backward (ratios to ``attn`` in fp32); and the largest micro-batch whose saved
-activations fit a memory budget, implicit vs unrolled backward.
+saved for backward (ratios to ``attn`` in fp32), and the time of one application of the
+fixed-point map f (forward, no grad, at the solve's z*: the per-iteration cost); and the largest
+micro-batch whose saved activations fit a memory budget, implicit vs unrolled backward, with
+implicit's saved bytes against one differentiable application of f.
 
-    python bench/layers.py                               # d=256 T=256 B=4 on CPU
+``mamba`` is the plain-Mamba reference: fpmamba with mixer none, no y feedback, one iteration
+(unrolled), i.e. conv -> SiLU -> selective scan -> gate -> norm, run once.
+
+    python bench/layers.py --threads 1                   # d=256 T=256 B=4 on CPU
     python bench/layers.py --d 768 --T 2048 --B 8        # on a GPU
 
 Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
@@ -23,6 +28,7 @@ from common import print_table, write_json
 
 from fpscale.models import ModelConfig, layer_spec
 from fpscale.models.common import causal_attention
+from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.hqsa import bin_assignment, causal_hqsa
 from fpscale.models.lm import LoopedLM
 from fpscale.models.looping import LoopedLayer
@@ -37,6 +43,8 @@ SPECS = {
     "fpsa": dict(type="fpsa", solver={"freeze_converged": True, "backward": "implicit", "backward_max_iter": 20,
                                       "backward_tol": 1e-3}),
     "fpmamba": dict(type="fpmamba", d_state=16, solver={"tol": 0.1, "patience": 3, "decay": 0.5, "backward": "jfb"}),
+    "mamba": dict(type="fpmamba", mixer="none", y_feedback=False, d_state=16,
+                  solver={"max_iter": 1, "backward": "unroll"}),
     "looped": dict(type="looped", core_blocks=1, solver={"backward": "phantom", "phantom_steps": 2}),
     "epsilon": dict(type="epsilon"),        # HQSA, at most 8 steps, halting prior of mean 3 (seed 003)
 }
@@ -64,6 +72,34 @@ def run(block, x):
     return counter.total, elapsed, its, depth
 
 
+def time_f(block, x, repeats: int) -> float | None:
+    """Seconds of one application of the block's fixed-point map f (forward, no grad), at the z*
+    its solve found; None for a block without one (attn, epsilon)."""
+    layers = [m for m in block.modules() if isinstance(m, FixedPointLayer)]
+    if not layers:
+        return None
+    layer, captured = layers[0], {}
+    solve = layer.fixed_point
+
+    def spy(f, z0):
+        z = solve(f, z0)
+        captured.update(f=f, z=z.detach())
+        return z
+
+    layer.fixed_point = spy                 # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            block(x)
+            times = []
+            for _ in range(repeats + 1):    # the first is a warm-up
+                t0 = time.perf_counter()
+                captured["f"](captured["z"])
+                times.append(time.perf_counter() - t0)
+    finally:
+        del layer.fixed_point
+    return statistics.median(times[1:])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=256)
@@ -78,8 +114,11 @@ def main(argv=None):
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--hqsa-T", type=int, nargs="+", default=[256, 1024, 4096],
                     help="lengths of the HQSA-against-attention timing")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.B, args.T, args.d)
     base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7)
@@ -98,24 +137,30 @@ def main(argv=None):
             row[f"depth_{name}"] = statistics.median(r[3] for r in results)
             row[f"saved_MiB_{name}"] = results[0][0] / 2 ** 20
             row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)
+            f_time = time_f(block, xd, args.repeats)
+            row[f"f_us_per_token_{name}"] = None if f_time is None else 1e6 * f_time / (args.B * args.T)
         rows.append(row)
     ref = rows[0]
     first = args.dtypes[0]
+    mamba = next(r for r in rows if r["layer"] == "mamba")
     for r in rows:
         r[f"saved_x_attn_{first}"] = r[f"saved_MiB_{first}"] / ref[f"saved_MiB_{first}"]
         r[f"time_x_attn_{first}"] = r[f"us_per_token_{first}"] / ref[f"us_per_token_{first}"]
+        f_us = r[f"f_us_per_token_{first}"]
+        r[f"f_x_mamba_{first}"] = None if f_us is None else f_us / mamba[f"f_us_per_token_{first}"]
     print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
-    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "saved_MiB", "us_per_token")
-                                       for n in args.dtypes]
-    print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}"])
+    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "saved_MiB", "us_per_token",
+                                                            "f_us_per_token") for n in args.dtypes]
+    print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}", f"f_x_mamba_{first}"])
 
     # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
     budget = args.budget_gib * 2 ** 30
     fit_rows = []
     for kind in ("fpsa", "fpmamba", "looped"):
-        for mode in ("implicit", "unroll"):
-            cfg = SolverConfig(max_iter=16, tol=0.0, patience=0, backward=mode, backward_max_iter=8,
+        for mode in ("implicit", "unroll", "one f"):
+            cfg = SolverConfig(max_iter=1 if mode == "one f" else 16, tol=0.0, patience=0,
+                               backward="unroll" if mode == "one f" else mode, backward_max_iter=8,
                                mask_unconverged=False)
             block = build_block(kind, args.d, args.heads, args.T, cfg)
             for m in block.modules():           # the layer's own overrides must not mask the mode
@@ -127,10 +172,12 @@ def main(argv=None):
             fit_rows.append({"layer": kind, "backward": mode, "MiB_per_sample": per_sample / 2 ** 20,
                              "max_micro_batch": int((budget - fixed) // per_sample)})
     for kind in ("fpsa", "fpmamba", "looped"):
-        imp, unr = [r for r in fit_rows if r["layer"] == kind]
+        imp, unr, one = [r for r in fit_rows if r["layer"] == kind]
         imp["gain_x"] = imp["max_micro_batch"] / max(unr["max_micro_batch"], 1)
-    print(f"\nlargest micro-batch whose saved activations fit {args.budget_gib} GiB (16 iterations, T={args.T})")
-    print_table(fit_rows, ["layer", "backward", "MiB_per_sample", "max_micro_batch", "gain_x"])
+        imp["saved_x_one_f"] = imp["MiB_per_sample"] / one["MiB_per_sample"]
+    print(f"\nlargest micro-batch whose saved activations fit {args.budget_gib} GiB (16 iterations, T={args.T}); "
+          f"'one f': the block with one differentiable application of f")
+    print_table(fit_rows, ["layer", "backward", "MiB_per_sample", "max_micro_batch", "gain_x", "saved_x_one_f"])
     hqsa_rows = hqsa_against_attention(args)
     write_json("layers", {"args": vars(args), "layer_rows": rows, "micro_batch_rows": fit_rows,
                           "hqsa_rows": hqsa_rows}, args.out)

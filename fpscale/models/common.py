@@ -185,13 +185,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature);
     ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval);
     ``pad`` [B] hides each row's left padding from every query (a padded query sees itself).
-    flash-attn is used on CUDA for fp16/bf16 with a scalar scale and no padding
-    (``flash_attn_for``); SDPA otherwise.
+    flash-attn is used on CUDA for fp16/bf16 without padding (``flash_attn_for``; a per-head scale
+    is folded into q), so every attention inside a fixed-point map (fpsa, the looped core) runs on
+    it; SDPA otherwise.
     """
     Tq, Tk = q.shape[-2], k.shape[-2]
     per_head = isinstance(scale, torch.Tensor)
-    flash = None if per_head or pad is not None else flash_attn_for(q)
+    flash = None if pad is not None else flash_attn_for(q)
     if flash is not None:
+        if per_head:   # flash-attn takes one scale: fold the per-head one into q
+            q, scale = q * scale.view(1, -1, 1, 1).to(q.dtype), 1.0
         out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                               softmax_scale=scale, dropout_p=dropout_p)
         return out.transpose(1, 2)

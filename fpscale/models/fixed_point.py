@@ -34,6 +34,19 @@ class FixedPointLayer(LoopedLayer):
     def phantom_steps(self) -> int:      # type: ignore[override]
         return self.solver.phantom_steps
 
+    def compiled(self, step: Callable) -> Callable:
+        """``step`` (a bound method taking the iterate and tensors, one application of f) under
+        torch.compile when ``solver.compile`` is on, else ``step`` itself. Compiled once per layer
+        with dynamic=False and called from the solver's Python loop: the iteration count is not
+        part of the graph, so a solve of another length reuses it."""
+        if not self.solver.compile:
+            return step
+        cache = self.__dict__.setdefault("_compiled_steps", {})
+        name = step.__name__
+        if name not in cache:
+            cache[name] = torch.compile(step, dynamic=False)
+        return cache[name]
+
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None) -> torch.Tensor:
         """z* of f from z0; ``real`` [B, T] marks the real tokens of left-padded rows (padding

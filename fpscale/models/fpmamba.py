@@ -6,8 +6,8 @@ previous iterate (y^0 = 0), one application of f is
     x~_t    = Q_t (u_t - y_t) + y_t                      Q_t: channel mixer (fpscale.models.mixers)
     B_t, C_t = normalize(W_B^x u_t + W_B^y y_s),  likewise C
     Delta_t = softplus(W_dt (W_d^x u_t + W_d^y y_s) + b_dt),  lambda_t = exp(-Delta_t A)
-    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (chunked parallel scan)
-    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )
+    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan_kernels: chunked, contracted
+    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )       with C on the fly, h never stored whole)
 and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
 the converged y of the last token, and iterates only the new token.
 
@@ -40,9 +40,9 @@ from fpscale.models.common import (
     wide,
 )
 from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops
+from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.models.registry import FixedPointSpec
-from fpscale.models.scan import scan
+from fpscale.models.scan_kernels import scan
 
 
 def scan_flops(d_inner: int, d_state: int) -> float:
@@ -90,11 +90,12 @@ class FPMambaSpec(FixedPointSpec):
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state
         dt_rank = -(-d // 16)
-        feeds = 2 if self.y_feedback else 1
-        per_iter = (mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
-                    + feeds * 2 * di * (dt_rank + 2 * N) + 2 * dt_rank * di + scan_flops(di, N))
+        # the projections of u (mixer, x_proj) once per solve; those of y, dt_proj and the scan per iteration
+        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
+        proj = 2 * di * (dt_rank + 2 * N)
+        per_iter = mix_iter + (proj if self.y_feedback else 0.0) + 2 * dt_rank * di + scan_flops(di, N)
         mlp = mlp_flops(d, swiglu_hidden(d, cfg.mlp_ratio)) if self.mlp else 0.0
-        return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp, per_iter
+        return 2 * d * 2 * di + 2 * di * self.d_conv + 2 * di * d + mlp + mix_static + proj, per_iter
 
 
 class FPMambaMixer(FixedPointLayer):
@@ -153,29 +154,37 @@ class FPMambaMixer(FixedPointLayer):
         ms = self.shards.total(t.pow(2).sum(-1, keepdim=True)) / self.d_inner
         return t * torch.rsqrt(ms + self.norm_eps) * self.out_norm_w
 
-    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False, real=None):
-        """One application of f: y -> y_new (and the final scan state), y in float32. ``real``
+    def static(self, u: torch.Tensor) -> dict:
+        """What f computes from the static input u alone, once per solve: the x-halves of the
+        mixer's projections and u W_x (the iterations add their y-halves to the same numbers)."""
+        return {"mixer": mixer_static(self.mixer, self.mixer_params(), u, self.shards),
+                "x_proj": linear(u, self.x_proj)}
+
+    def step(self, y, u, gate, y_prev_last=None, h0=None, return_state=False, static=None, real=None):
+        """One application of f: y -> y_new (and the final scan state), y in float32.
+        ``static``: ``self.static(u)``, computed once per solve (None: computed here). ``real``
         [B, T] (left padding): padded tokens feed nothing into the scan and their y stays 0."""
+        static = self.static(u) if static is None else static
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
         x_t = apply_mixer(self.mixer, self.mixer_params(), wide(u) - y, u, y_c, self.negative_eigs,
-                          self.shards) + y
-        proj = linear(u, self.x_proj)
+                          self.shards, static["mixer"]) + y
+        proj = static["x_proj"]
         if self.y_proj is not None:
             proj = proj + linear(y_s, self.y_proj)
         proj = wide(self.shards.total(proj))     # x_proj, y_proj are row-parallel under TP
         dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
         Bm, Cm = F.normalize(Bm, dim=-1), F.normalize(Cm, dim=-1)
         delta = F.softplus(wide(linear(dt_low, self.dt_proj)) + self.dt_bias)          # [B, T, di]
-        lam = torch.exp(-delta.unsqueeze(-1) * wide(self.A_log).exp())                 # [B, T, di, N]
+        # h_t = exp(-Delta_t A) h_{t-1} + Delta_t x~_t B_t^T, read by C_t: only y and the last state leave
         if real is not None:
             x_t = x_t.masked_fill(~real[..., None], 0.0)
-        h = scan(lam, (delta * x_t).unsqueeze(-1) * Bm.unsqueeze(-2), h0)
-        y_new = self._rms(gate * ((h * Cm.unsqueeze(-2)).sum(-1) + self.D * x_t))
+        y_scan, h_last = scan(x_t, delta, -wide(self.A_log).exp(), Bm, Cm, h0)
+        y_new = self._rms(gate * (y_scan + self.D * x_t))
         if real is not None:
             y_new = y_new.masked_fill(~real[..., None], 0.0)
-        return (y_new, h[:, -1]) if return_state else y_new
+        return (y_new, h_last) if return_state else y_new
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,10 +195,13 @@ class FPMambaMixer(FixedPointLayer):
         gate = F.silu(g)
         y_prev = cache.get("y") if cache else None
         h0 = cache.get("h") if cache else None
-        y = self.fixed_point(lambda yy: self.step(yy, u, gate, y_prev, h0, real=real), torch.zeros_like(u), real)
+        static = self.static(u)
+        step = self.compiled(self.step)
+        y = self.fixed_point(lambda yy: step(yy, u, gate, y_prev, h0, static=static, real=real), torch.zeros_like(u),
+                             real)
         if cache is not None:
             with torch.no_grad():
-                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, real=real)
+                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, static=static, real=real)
             cache.update(conv=window.detach(), h=h_last, y=y[:, -1].detach())
         return self.shards.exit(linear(y, self.w_out))
 

@@ -145,8 +145,8 @@ class LoopedCore(FixedPointLayer):
         caches = cache.get("kv") if cache else None
         _, _, a2, b2 = self.scalings()
         inject = b2 * x_in
-        s = self.fixed_point(lambda s: self.one_pass(a2 * s + inject, cos, sin, caches, pad=pad),
-                             torch.zeros_like(x), real)
+        one_pass = self.compiled(self.one_pass) if caches is None else self.one_pass
+        s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, caches, pad=pad), torch.zeros_like(x), real)
         if cache is not None:
             collected: list = []
             with torch.no_grad():

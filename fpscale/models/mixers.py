@@ -46,15 +46,18 @@ def kronecker_factors(n: int) -> tuple[int, int]:
     return d1, n // d1
 
 
-def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> float:
-    """Forward FLOPs per token of one application of the mixer (its projections and Q v)."""
-    feeds, di = (2 if y_feedback else 1), d_inner
+def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> tuple[float, float]:
+    """Forward FLOPs per token of the mixer: (once per solve, per application). The projections of
+    x are computed once (``mixer_static``); those of y and Q v in every application."""
+    di = d_inner
     if kind in ("householder", "dplr"):            # u_i and a_i projections of x (and y)
-        return feeds * 2 * rank * di * (di + 1)
+        feed = 2 * rank * di * (di + 1)
+        return feed, feed if y_feedback else 0.0
     if kind == "kronecker":     # K1, K2 and a projections, M M^T and 4 squarings of each, K1 V K2^T
         d1, d2 = kronecker_factors(di)
-        return feeds * 2 * di * (d1 * d1 + d2 * d2 + 1) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
-    return 0.0
+        feed = 2 * di * (d1 * d1 + d2 * d2 + 1)
+        return feed, (feed if y_feedback else 0.0) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
+    return 0.0, 0.0
 
 
 def coefficient_scale(kind: str, rank: int, negative_eigs: bool) -> float:
@@ -87,9 +90,21 @@ def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool,
     return {}
 
 
-def _proj(params, name, x, y):
-    """W_x x + W_y y in the weights' dtype, returned in at least float32."""
-    out = linear(x, params[f"mix_{name}_x"])
+def mixer_static(kind: str, params: dict, x: torch.Tensor, shards=Unsharded()) -> dict[str, torch.Tensor]:
+    """The halves W_x x of the mixer's projections that see only the static input x: the same in
+    every application of f, so a solve computes them once and passes them to ``apply_mixer``."""
+    if kind in ("householder", "dplr"):
+        return {"u": linear(shards.enter(shards.gather(x)), params["mix_u_x"]), "a": linear(x, params["mix_a_x"])}
+    if kind == "kronecker":
+        whole_x = shards.gather(x)
+        return {name: linear(whole_x, params[f"mix_{name}_x"]) for name in ("k1", "k2", "a")}
+    return {}
+
+
+def _proj(params, name, x, y, static=None):
+    """W_x x + W_y y in the weights' dtype, returned in at least float32 (W_x x from ``static``
+    when given: the same numbers, computed once per solve)."""
+    out = static[name] if static is not None else linear(x, params[f"mix_{name}_x"])
     if y is not None and f"mix_{name}_y" in params:
         out = out + linear(y, params[f"mix_{name}_y"])
     return wide(out)
@@ -119,20 +134,21 @@ def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
 
 
 def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None,
-                negative_eigs: bool = False, shards=Unsharded()) -> torch.Tensor:
+                negative_eigs: bool = False, shards=Unsharded(), static: dict | None = None) -> torch.Tensor:
     """Q_t v for v, x, y of shape [B, T, d_inner] (this shard's channels under TP), computed in
-    at least float32 (v is a difference of the iterate: fpscale.solvers.precision)."""
+    at least float32 (v is a difference of the iterate: fpscale.solvers.precision). ``static``:
+    ``mixer_static(kind, params, x, shards)``, computed once per solve (None: computed here)."""
     if kind == "none":
         return v
     v = wide(v)
     if kind in ("householder", "dplr"):
         B, T, di = v.shape
         rank = params["mix_a_b"].shape[0]
-        whole_x = shards.enter(shards.gather(x))
+        whole_x = None if static is not None else shards.enter(shards.gather(x))
         whole_y = None if y is None else shards.enter(shards.gather(y))
-        u = _proj(params, "u", whole_x, whole_y).view(B, T, rank, di)
+        u = _proj(params, "u", whole_x, whole_y, static).view(B, T, rank, di)
         u = u * torch.rsqrt(shards.total(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
-        logits = shards.exit(_proj(params, "a", x, y)) + params["mix_a_b"]
+        logits = shards.exit(_proj(params, "a", x, y, static)) + params["mix_a_b"]
         a = shards.enter(_coefficients(logits, coefficient_scale(kind, rank, negative_eigs)))   # [B, T, rank]
         if kind == "householder":
             for i in range(rank):
@@ -142,13 +158,14 @@ def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: to
         dots = shards.total((u * v.unsqueeze(2)).sum(-1, keepdim=True))           # [B, T, rank, 1]
         return v - (a.unsqueeze(-1) * dots * u).sum(2)
     if kind == "kronecker":
-        v, x = shards.gather(v), shards.gather(x)
+        v = shards.gather(v)
+        x = shards.gather(x) if static is None else x
         y = None if y is None else shards.gather(y)
         B, T, di = v.shape
         d1, d2 = kronecker_factors(di)
-        k1 = _normalized_psd(_proj(params, "k1", x, y).view(B, T, d1, d1))
-        k2 = _normalized_psd(_proj(params, "k2", x, y).view(B, T, d2, d2))
-        a = _coefficients(_proj(params, "a", x, y) + params["mix_a_b"],
+        k1 = _normalized_psd(_proj(params, "k1", x, y, static).view(B, T, d1, d1))
+        k2 = _normalized_psd(_proj(params, "k2", x, y, static).view(B, T, d2, d2))
+        a = _coefficients(_proj(params, "a", x, y, static) + params["mix_a_b"],
                           coefficient_scale(kind, 1, negative_eigs))                # [B, T, 1]
         kv = (k1 @ v.view(B, T, d1, d2) @ k2.transpose(-1, -2)).reshape(B, T, di)
         return shards.scatter(v - a * kv)

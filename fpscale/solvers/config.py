@@ -38,6 +38,10 @@ class SolverConfig:
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D)
+    Speed:
+      compile            torch.compile the layer's iteration step (one application of f, with
+                         dynamic=False); the iteration loop stays in Python, so a different
+                         iteration count never recompiles. Off until measured on the target device
     """
 
     max_iter: int = 30
@@ -58,6 +62,7 @@ class SolverConfig:
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
     mask_unconverged: bool = True
+    compile: bool = False
 
     def validate(self, prefix: str = "") -> None:
         def key(name: str) -> str:
