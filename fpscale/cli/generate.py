@@ -1,6 +1,9 @@
-"""Generate text from a trained model (greedy by default; cached decoding).
+"""Generate text from a trained model (greedy by default; cached decoding; on the first GPU when
+there is one).
 
     python launch/generate.py --model runs/tiny_mixed/final --prompt "Fellow-Citizens of the Senate"
+    # a batch of prompts of different lengths (left-padded: each decodes as it would alone), at depth 8
+    python launch/generate.py --model runs/tiny_mixed/final --prompt "The year" --prompt "Our country" --depth 8
 """
 from __future__ import annotations
 
@@ -12,7 +15,10 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="folder with model.safetensors and config.yaml")
-    ap.add_argument("--prompt", default="Fellow-Citizens of the Senate and House of Representatives:")
+    ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch "
+                    "(default: 'Fellow-Citizens of the Senate and House of Representatives:')")
+    ap.add_argument("--depth", type=int, default=None,
+                    help="evaluation depth: at most this many iterations per looped layer (default: eval_max_iter)")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: next to the config's data.path)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -21,6 +27,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
+    if args.depth is not None and args.depth < 1:
+        ap.error(f"--depth must be >= 1, got {args.depth}")
+    prompts = args.prompt or ["Fellow-Citizens of the Senate and House of Representatives:"]
 
     import sentencepiece as spm
     import torch
@@ -37,10 +46,18 @@ def main(argv=None) -> int:
     model = model.to(device).eval()
     tok_path = args.tokenizer or os.path.join(os.path.dirname(cfg.data.path.rstrip("/")), "tokenizer.model")
     sp = spm.SentencePieceProcessor(model_file=tok_path)
-    prompt = torch.tensor([sp.encode(args.prompt)], device=device)
-    out = fpscale.generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed))
-    print(sp.decode(out[0].tolist()))
+    encoded = [sp.encode(p) for p in prompts]
+    if not all(encoded):
+        ap.error("a --prompt is empty")
+    width = max(map(len, encoded))
+    batch = torch.tensor([[sp.eos_id()] * (width - len(e)) + e for e in encoded], device=device)
+    pad = torch.tensor([width - len(e) for e in encoded], device=device)
+    with model.eval_depth(args.depth):
+        out = fpscale.generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                               use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed),
+                               pad=pad if bool(pad.any()) else None)
+    for row, n_pad in zip(out.tolist(), pad.tolist()):
+        print(sp.decode(row[n_pad:]))
     for name, st in model.layer_stats().items():
         how = st.stopped_by if hasattr(st, "stopped_by") else f"expected depth {float(st.expected_depth.mean()):.2f}"
         print(f"# {name}: {st.iterations} iterations on the last token ({how})", file=sys.stderr)

@@ -32,9 +32,9 @@ def tokenizer(tmp_path_factory) -> str:
     return train_tokenizer(TEXTS * 50, str(folder / "tokenizer"), vocab_size=320, threads=1)
 
 
-def weights_folder(config: str, folder, seed: int = 0) -> str:
+def weights_folder(config: str, folder, seed: int = 0, *overrides: str) -> str:
     """fpscale's exported weights of a freshly initialised model of ``configs/<config>.yaml``."""
-    cfg = fpscale.load_config(f"configs/{config}.yaml")
+    cfg = fpscale.load_config(f"configs/{config}.yaml", overrides)
     torch.manual_seed(seed)
     model = fpscale.build_model(cfg)
     os.makedirs(folder, exist_ok=True)
@@ -188,3 +188,18 @@ def test_convert_cli_writes_the_folder_and_refuses_a_missing_tokenizer(tmp_path,
     assert main(["--checkpoint", weights, "--to", "hf", "--out", str(tmp_path / "bad"),
                  "--tokenizer", str(tmp_path / "none.model")]) == 2
     assert "--tokenizer: no SentencePiece model" in capsys.readouterr().err
+
+
+def test_generate_cli_decodes_a_batch_of_prompts_as_each_alone(tmp_path, tokenizer, capsys):
+    from fpscale.cli.generate import main
+    weights = weights_folder("tiny_mixed", tmp_path / "weights", 0, "model.vocab_size=320")
+    prompts = ["Fellow-Citizens of the Senate and House", "The year"]
+    args = ["--model", weights, "--tokenizer", tokenizer, "--max-new-tokens", "6", "--depth", "4", "--device", "cpu"]
+    assert main(args + [a for p in prompts for a in ("--prompt", p)]) == 0
+    batched = capsys.readouterr().out.splitlines()
+    assert len(batched) == 2 and all(line.startswith(p) for line, p in zip(batched, prompts))
+    for p, line in zip(prompts, batched):
+        assert main(args + ["--prompt", p]) == 0
+        assert capsys.readouterr().out.splitlines() == [line]
+    with pytest.raises(SystemExit):
+        main(args + ["--depth", "0"])
