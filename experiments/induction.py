@@ -59,7 +59,7 @@ class EntropyProbe:
         self.modules, self.orig, self.calls = (common, fpsa), common.causal_attention, []
 
     def __enter__(self):
-        def recording(q, k, v, scale=None, dropout_p=0.0):
+        def recording(q, k, v, scale=None, dropout_p=0.0, pad=None):   # (no padding in the probe)
             dh = q.shape[-1]
             if isinstance(scale, torch.Tensor):
                 q, scale = q * scale.view(1, -1, 1, 1).to(q.dtype), 1.0
