@@ -5,6 +5,7 @@ fixed-point solve inside one ``forward`` on its own parameters (what ZeRO-3 need
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 from typing import NamedTuple
@@ -38,19 +39,41 @@ def mlp_flops(d_model: int, hidden: int) -> float:
     return 2 * 3 * d_model * hidden
 
 
-def load_flash_attn():
-    """(flash_attn_func, None); (None, None) when flash-attn is not installed (SDPA is used, as
-    on CPU); (None, the exception) when it is installed but does not import (a build for another
-    CUDA or torch): that must not pass for "not installed" and train silently on SDPA."""
+def load_optional(module: str, attr: str):
+    """(``module.attr``, None); (None, None) when its package is not installed; (None, the
+    exception) when it is installed but does not import (a build for another CUDA or torch): that
+    must not pass for "not installed" and run silently on the PyTorch fallback."""
     try:
-        from flash_attn import flash_attn_func  # type: ignore
-        return flash_attn_func, None
+        return getattr(importlib.import_module(module), attr), None
     except ModuleNotFoundError as exc:
-        if exc.name == "flash_attn":
+        if exc.name is not None and (module + ".").startswith(exc.name + "."):
             return None, None
         return None, exc
     except Exception as exc:      # OSError (undefined symbol), ImportError, RuntimeError ...
         return None, exc
+
+
+def wanted_kernel(env: str, kernel, error: Exception | None, applicable: bool, what: str, pip: str,
+                  fallback: str):
+    """The optional GPU kernel ``kernel`` (from ``load_optional``) if this call should use it, else
+    None. The environment variable ``env``: ``auto`` (default: where ``applicable`` and installed),
+    ``0`` (never), ``1`` (required where applicable). Wanted but failing to import, or required but
+    absent, is an error naming the package and ``env=0``, the way to ``fallback``."""
+    mode = os.environ.get(env, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{env} must be auto, 0 or 1, got {mode!r}")
+    if mode == "0" or not applicable:
+        return None
+    if kernel is None and (error is not None or mode == "1"):
+        why = f"it fails to import: {error!r}" if error else "it is not installed"
+        raise RuntimeError(f"{what} is wanted on this GPU but {why}. Install a build for this torch and CUDA "
+                           f"(pip install {pip} --no-build-isolation), or set {env}=0 to {fallback}")
+    return kernel
+
+
+def load_flash_attn():
+    """(flash_attn_func, None), or None and why not (``load_optional``; SDPA is used, as on CPU)."""
+    return load_optional("flash_attn", "flash_attn_func")
 
 
 FLASH_ATTN, FLASH_ATTN_ERROR = load_flash_attn()
@@ -59,17 +82,9 @@ FLASH_ATTN, FLASH_ATTN_ERROR = load_flash_attn()
 def flash_attn_for(q) -> object | None:
     """flash-attn's function for this query, or None for SDPA. ``FPSCALE_FLASH_ATTN``: ``auto``
     (default: flash-attn on CUDA in fp16/bf16 when installed), ``0`` (never), ``1`` (required)."""
-    mode = os.environ.get("FPSCALE_FLASH_ATTN", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"FPSCALE_FLASH_ATTN must be auto, 0 or 1, got {mode!r}")
-    if mode == "0" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if FLASH_ATTN is None and (FLASH_ATTN_ERROR is not None or mode == "1"):
-        why = f"it fails to import: {FLASH_ATTN_ERROR!r}" if FLASH_ATTN_ERROR else "it is not installed"
-        raise RuntimeError(f"flash-attn is wanted on this GPU but {why}. Install a build for this torch and "
-                           f"CUDA (pip install flash-attn --no-build-isolation), or set FPSCALE_FLASH_ATTN=0 "
-                           f"to run attention on PyTorch's SDPA")
-    return FLASH_ATTN
+    return wanted_kernel("FPSCALE_FLASH_ATTN", FLASH_ATTN, FLASH_ATTN_ERROR,
+                         q.is_cuda and q.dtype in (torch.float16, torch.bfloat16), "flash-attn", "flash-attn",
+                         "run attention on PyTorch's SDPA")
 
 
 class Unsharded:

@@ -11,25 +11,15 @@ another CUDA or torch) is an error that names the switch, not a silent fallback,
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fpscale.models.common import load_optional, wanted_kernel
 from fpscale.models.scan import selective_scan
 
 
 def load_mamba_scan():
-    """(selective_scan_fn, None); (None, None) when mamba-ssm is not installed; (None, the
-    exception) when it is installed but does not import."""
-    try:
-        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn  # type: ignore
-        return selective_scan_fn, None
-    except ModuleNotFoundError as exc:
-        if exc.name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.selective_scan_interface"):
-            return None, None
-        return None, exc
-    except Exception as exc:      # OSError (undefined symbol), ImportError, RuntimeError ...
-        return None, exc
+    """(selective_scan_fn, None), or None and why not (``load_optional``)."""
+    return load_optional("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn")
 
 
 MAMBA_SCAN, MAMBA_SCAN_ERROR = load_mamba_scan()
@@ -37,17 +27,8 @@ MAMBA_SCAN, MAMBA_SCAN_ERROR = load_mamba_scan()
 
 def mamba_scan_for(x: torch.Tensor, h0: torch.Tensor | None):
     """mamba-ssm's selective_scan_fn for this input, or None for the PyTorch scan."""
-    mode = os.environ.get("FPSCALE_MAMBA_SCAN", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"FPSCALE_MAMBA_SCAN must be auto, 0 or 1, got {mode!r}")
-    if mode == "0" or not x.is_cuda or h0 is not None:
-        return None
-    if MAMBA_SCAN is None and (MAMBA_SCAN_ERROR is not None or mode == "1"):
-        why = f"it fails to import: {MAMBA_SCAN_ERROR!r}" if MAMBA_SCAN_ERROR else "it is not installed"
-        raise RuntimeError(f"mamba-ssm's selective scan is wanted on this GPU but {why}. Install a build for "
-                           f"this torch and CUDA (pip install mamba-ssm --no-build-isolation), or set "
-                           f"FPSCALE_MAMBA_SCAN=0 to run FP-Mamba's scan in PyTorch")
-    return MAMBA_SCAN
+    return wanted_kernel("FPSCALE_MAMBA_SCAN", MAMBA_SCAN, MAMBA_SCAN_ERROR, x.is_cuda and h0 is None,
+                         "mamba-ssm's selective scan", "mamba-ssm", "run FP-Mamba's scan in PyTorch")
 
 
 def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
