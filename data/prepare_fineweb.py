@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--text-column", default="text")
     ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
     ap.add_argument("--max-shards", type=int, help="stop after this many shards (continue later)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a folder prepared (or started) with other settings: deletes tokens/, plan.json "
+                         "and the tokenizer preparation wrote (never the --tokenizer file), then prepares afresh")
     args = ap.parse_args(argv)
     t0 = time.time()
     try:
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
                        vocab_size=args.vocab_size, dtype=args.dtype, val_fraction=args.val_fraction,
                        docs_per_shard=args.docs_per_shard, tokenizer_sample_docs=args.tokenizer_sample_docs,
                        workers=args.workers, text_column=args.text_column, skip_empty=args.skip_empty,
-                       max_shards=args.max_shards)
+                       max_shards=args.max_shards, overwrite=args.overwrite)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

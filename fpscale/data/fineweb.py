@@ -5,7 +5,7 @@
 
 Output folder:
   tokenizer.model        SentencePiece BPE (trained on a sample, or the one passed in)
-  plan.json              the arguments that fix the output (a resume must match them)
+  plan.json              the settings that fix the output (see ``Plan``); a re-run must match them
   tokens/shard_NNNNN.{train,val}.bin   token ids (uint16 when the vocabulary fits, else uint32),
                          each document followed by EOS
   tokens/shard_NNNNN.{train,val}.idx   int64 document end offsets into the .bin
@@ -15,6 +15,16 @@ Input unit k is documents [k*docs_per_shard, (k+1)*docs_per_shard) of the source
 goes to validation when the hash of its id falls below ``val_fraction``. Units are written
 atomically and skipped on a re-run, so an interrupted preparation continues where it stopped
 and produces byte-identical shards.
+
+A re-run first compares its settings with the folder's plan.json (or, lacking it, the copy of the
+plan in tokens/metadata.json) and refuses a folder prepared or started with other settings,
+naming each difference; ``overwrite=True`` (``--overwrite``) deletes what preparation wrote there
+(tokens/, plan.json, and tokenizer.model/.vocab unless tokenizer.model is the tokenizer passed
+in) and prepares afresh. The same settings on a complete folder return its metadata.
+
+plan.json holds the fields of ``Plan``. ``skip_empty`` and ``tokenizer_sample_docs`` (null when
+the tokenizer was passed in) were added to it later: a plan.json written without them is still
+read, and a key it lacks is not compared.
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ import multiprocessing as mp
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Iterator
 
 import numpy as np
@@ -179,7 +189,12 @@ def is_validation(doc_id: str, val_fraction: float) -> bool:
 
 @dataclass
 class Plan:
-    """Everything that fixes the output bytes; a resumed run must agree with it."""
+    """Everything that fixes the output bytes; a re-run or a resume must agree with it.
+
+    ``vocab_size`` and ``dtype`` are the tokenizer's piece count and the dtype written;
+    ``tokenizer_sample_docs`` is None when the tokenizer was passed in. A plan.json written before
+    ``skip_empty`` and ``tokenizer_sample_docs`` existed lacks them; they are then not compared.
+    """
     source: str
     vocab_size: int
     dtype: str
@@ -187,6 +202,79 @@ class Plan:
     docs_per_shard: int
     tokenizer_sha256: str
     text_column: str
+    skip_empty: bool
+    tokenizer_sample_docs: int | None
+
+
+def _recorded_plan(out_dir: str) -> dict | None:
+    """The plan a folder was prepared (or started) with: plan.json, else metadata.json's copy."""
+    keys = {f.name for f in fields(Plan)}
+    for path in (os.path.join(out_dir, "plan.json"), os.path.join(out_dir, "tokens", "metadata.json")):
+        if os.path.exists(path):
+            with open(path) as fh:
+                return {k: v for k, v in json.load(fh).items() if k in keys}
+    return None
+
+
+def _show(key: str, value) -> str:
+    if value is None:
+        return "none (tokenizer given)" if key == "tokenizer_sample_docs" else "none"
+    if key == "tokenizer_sha256":
+        return str(value)[:16]
+    return repr(value) if isinstance(value, str) and key == "text_column" else str(value)
+
+
+def _differences(recorded: dict, request: dict, source_desc: str = "") -> list[str]:
+    """'key old there, new requested' for each key both hold with different values."""
+    out = []
+    for key, value in request.items():
+        if key in recorded and recorded[key] != value:
+            note = f" ({source_desc})" if key == "source" and source_desc else ""
+            out.append(f"{key} {_show(key, recorded[key])} there, {_show(key, value)} requested{note}")
+    return out
+
+
+def _refusal(out_dir: str, differences: list[str]) -> DataError:
+    state = "prepared" if os.path.exists(os.path.join(out_dir, "tokens", "metadata.json")) else "started"
+    return DataError(f"{out_dir} was {state} with other settings: {'; '.join(differences)}; "
+                     f"pass --overwrite to replace it, or use another --out")
+
+
+def _describe_source(files: list[str] | None, name: str | None, dataset: str) -> str:
+    if not files:
+        return f"{dataset} {name or ''}".strip()
+    shown = ", ".join(os.path.basename(f) for f in files[:3])
+    return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def remove_preparation(out_dir: str, keep: str | None = None) -> None:
+    """Delete what preparing ``out_dir`` wrote: tokens/, plan.json, tokenizer.model and
+    tokenizer.vocab (and the training sample a kill can leave). ``keep``, the tokenizer passed in,
+    is never deleted; when it is tokenizer.model itself, tokenizer.vocab stays beside it."""
+    keep_stat = os.stat(keep) if keep else None
+
+    def remove(path: str) -> None:
+        if not os.path.lexists(path):
+            return
+        if keep_stat is not None and os.path.exists(path) and os.path.samestat(os.stat(path), keep_stat):
+            return
+        if os.path.isdir(path) and not os.path.islink(path):
+            for entry in os.listdir(path):
+                remove(os.path.join(path, entry))
+            if not os.listdir(path):
+                os.rmdir(path)
+        else:
+            os.remove(path)
+
+    names = ["tokens", "plan.json", "tokenizer.sample.txt", "tokenizer.model"]
+    if not (keep and _same_file(keep, os.path.join(out_dir, "tokenizer.model"))):
+        names.append("tokenizer.vocab")
+    for name in names:
+        remove(os.path.join(out_dir, name))
 
 
 def _write_unit(tok_dir: str, unit: int, encoded, dtype) -> dict:
@@ -221,10 +309,13 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
             dataset: str = "HuggingFaceFW/fineweb", tokenizer: str | None = None, vocab_size: int = 8000,
             dtype: str | None = None, val_fraction: float = 0.01, docs_per_shard: int = 4096,
             tokenizer_sample_docs: int = 20000, workers: int = 2, text_column: str = "text",
-            skip_empty: bool = False, max_shards: int | None = None, progress: bool = True) -> dict:
+            skip_empty: bool = False, max_shards: int | None = None, progress: bool = True,
+            overwrite: bool = False) -> dict:
     """Prepare (or continue preparing) ``out_dir``; returns the metadata once complete.
 
-    ``max_shards`` stops after that many units in total (the rest on a later call).
+    A folder prepared or started with other settings is refused (``DataError`` naming each
+    difference) unless ``overwrite``, which deletes what preparation wrote there and starts
+    afresh. ``max_shards`` stops after that many units in total (the rest on a later call).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
@@ -232,26 +323,50 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
         raise DataError(f"docs_per_shard and workers must be >= 1, got {docs_per_shard}, {workers}")
     if files:
         files = expand_files(files)
+    if tokenizer and not os.path.exists(tokenizer):
+        raise DataError(f"tokenizer not found: {tokenizer}")
+    import sentencepiece as spm
+    fingerprint = source_fingerprint(files, name, dataset)
+
+    # 0. the folder: refuse one prepared with other settings, unless told to overwrite it
+    request = {"source": fingerprint, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
+               "text_column": text_column, "skip_empty": skip_empty}
+    if tokenizer:
+        request["tokenizer_sha256"] = sha256_file(tokenizer)
+        request["dtype"] = token_dtype(spm.SentencePieceProcessor(model_file=tokenizer).get_piece_size(), dtype)
+    else:
+        request.update(vocab_size=vocab_size, dtype=token_dtype(vocab_size, dtype),
+                       tokenizer_sample_docs=tokenizer_sample_docs)
+    if overwrite:
+        remove_preparation(out_dir, keep=tokenizer)
+    recorded = _recorded_plan(out_dir)
+    if recorded is not None:
+        differences = _differences(recorded, request, _describe_source(files, name, dataset))
+        if differences:
+            raise _refusal(out_dir, differences)
     tok_dir = os.path.join(out_dir, "tokens")
     os.makedirs(tok_dir, exist_ok=True)
     meta_path = os.path.join(tok_dir, "metadata.json")
     if os.path.exists(meta_path):
         with open(meta_path) as fh:
             return json.load(fh)
-    fingerprint = source_fingerprint(files, name, dataset)
 
     def rows():
         return open_documents(files, name, dataset, text_column)
 
-    # 1. the tokenizer: given, or trained on a sample of the documents
+    # 1. the tokenizer: given, or trained on a sample of the documents (or trained by the
+    #    interrupted run this one continues)
     model_path = os.path.join(out_dir, "tokenizer.model")
     if tokenizer:
-        if not os.path.exists(tokenizer):
-            raise DataError(f"tokenizer not found: {tokenizer}")
         if os.path.abspath(tokenizer) != os.path.abspath(model_path):
             with open(tokenizer, "rb") as src:
                 write_atomic(model_path, src.read())
-    elif not os.path.exists(model_path):
+    elif os.path.exists(model_path):
+        n_pieces = spm.SentencePieceProcessor(model_file=model_path).get_piece_size()
+        if n_pieces != vocab_size:
+            raise DataError(f"{model_path} has {n_pieces} pieces, {vocab_size} requested; pass --overwrite to "
+                            f"train a new one, --tokenizer {model_path} to use it, or use another --out")
+    else:
         sample = []
         for _, text in iter_texts(rows(), text_column, skip_empty):
             sample.append(text)
@@ -262,20 +377,22 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
         if progress:
             print(f"tokenizer: trained BPE with {vocab_size} pieces on {len(sample)} documents "
                   f"in {time.time() - t0:.1f} s", flush=True)
-    import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=model_path)
     n_vocab = sp.get_piece_size()
     dtype = token_dtype(n_vocab, dtype)
 
-    # 2. the plan: a resume must produce the same bytes
-    plan = Plan(fingerprint, n_vocab, dtype, val_fraction, docs_per_shard, sha256_file(model_path), text_column)
+    # 2. the plan: a resume must produce the same bytes. The settings were compared above; what
+    #    only the tokenizer tells (a tokenizer.model replaced by hand) is compared here.
+    plan = Plan(source=fingerprint, vocab_size=n_vocab, dtype=dtype, val_fraction=val_fraction,
+                docs_per_shard=docs_per_shard, tokenizer_sha256=sha256_file(model_path), text_column=text_column,
+                skip_empty=skip_empty, tokenizer_sample_docs=None if tokenizer else tokenizer_sample_docs)
     plan_path = os.path.join(out_dir, "plan.json")
     if os.path.exists(plan_path):
         with open(plan_path) as fh:
-            old = json.load(fh)
-        if old != asdict(plan):
-            diff = {k: (old.get(k), v) for k, v in asdict(plan).items() if old.get(k) != v}
-            raise DataError(f"{out_dir} was started with other settings {diff}; use a new --out or delete it")
+            recorded = json.load(fh)
+        differences = _differences(recorded, {k: getattr(plan, k) for k in ("tokenizer_sha256", "vocab_size", "dtype")})
+        if differences:
+            raise _refusal(out_dir, differences)
     else:
         write_atomic(plan_path, json.dumps(asdict(plan), indent=1).encode())
 

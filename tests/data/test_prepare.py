@@ -62,7 +62,7 @@ def test_interrupted_preparation_resumes_byte_identical(tmp_path, corpus_file):
 def test_resume_with_other_settings_is_refused(tmp_path, corpus_file):
     kw = dict(files=[corpus_file], vocab_size=320, docs_per_shard=16, workers=1, progress=False)
     prepare(str(tmp_path), max_shards=1, **kw)
-    with pytest.raises(DataError, match="was started with other settings .*val_fraction"):
+    with pytest.raises(DataError, match="was started with other settings: .*val_fraction 0.01 there, 0.5 requested"):
         prepare(str(tmp_path), val_fraction=0.5, **kw)
 
 
@@ -127,3 +127,147 @@ def test_shard_fingerprint_mismatch_is_detected(tmp_path, prepared):
         TokenShards(str(copy / "tokens"), "train", 8)
     with pytest.raises(DataError, match="metadata.json missing"):
         TokenShards(str(tmp_path / "nothing"), "train", 8)
+
+
+
+# -- a re-run into a folder that exists (issue 18) -------------------------------------------------
+
+PREPARED = dict(vocab_size=320, val_fraction=0.2, docs_per_shard=16, workers=2, progress=False)   # as conftest's
+
+
+def copy_of(prepared, tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    return str(out)
+
+
+def snapshot(folder):
+    """{relative path: (bytes, mtime)} of every file under ``folder``."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(root, n)
+            out[os.path.relpath(path, folder)] = (open(path, "rb").read(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def test_complete_folder_with_other_settings_is_refused(tmp_path, prepared, corpus_file):
+    out = copy_of(prepared, tmp_path)
+    before = snapshot(out)
+    with pytest.raises(DataError, match=r"out was prepared with other settings: vocab_size 320 there, 400 requested; "
+                                        r"pass --overwrite to replace it, or use another --out$"):
+        prepare(out, files=[corpus_file], **{**PREPARED, "vocab_size": 400})
+    with pytest.raises(DataError, match=r"settings: val_fraction 0.2 there, 0.1 requested; skip_empty False there, "
+                                        r"True requested; tokenizer_sample_docs 20000 there, 50 requested; pass"):
+        prepare(out, files=[corpus_file], **{**PREPARED, "val_fraction": 0.1}, skip_empty=True,
+                tokenizer_sample_docs=50)
+    with pytest.raises(DataError, match=r"settings: dtype uint16 there, uint32 requested; pass"):
+        prepare(out, files=[corpus_file], dtype="uint32", **PREPARED)
+    assert snapshot(out) == before
+
+
+def test_other_files_or_tokenizer_are_refused(tmp_path, prepared, corpus_file):
+    from fpscale.data.fineweb import train_tokenizer
+    out = copy_of(prepared, tmp_path)
+    other = write_parquet(tmp_path / "other.parquet", make_docs(30, seed=3))
+    with pytest.raises(DataError, match=r"out was prepared with other settings: source [0-9a-f]{16} there, "
+                                        r"[0-9a-f]{16} requested \(other.parquet\); pass --overwrite"):
+        prepare(out, files=[other], **PREPARED)
+    other_tok = train_tokenizer([d["text"] for d in make_docs(60, seed=4)], str(tmp_path / "other"), 400, 1)
+    with pytest.raises(DataError, match=r"settings: tokenizer_sha256 [0-9a-f]{16} there, [0-9a-f]{16} requested; pass"):
+        prepare(out, files=[corpus_file], tokenizer=other_tok, **PREPARED)
+    # the folder's own tokenizer passed in is the same tokenizer: accepted
+    same = prepare(out, files=[corpus_file], tokenizer=os.path.join(out, "tokenizer.model"), **PREPARED)
+    assert same == json.load(open(os.path.join(out, "tokens", "metadata.json")))
+
+
+def test_partial_folder_with_other_settings_is_refused(tmp_path, corpus_file):
+    kw = dict(files=[corpus_file], vocab_size=320, docs_per_shard=16, workers=1, progress=False)
+    prepare(str(tmp_path), max_shards=1, **kw)
+    # the old code reused the 320-piece tokenizer.model and resumed
+    with pytest.raises(DataError, match="was started with other settings: vocab_size 320 there, 400 requested"):
+        prepare(str(tmp_path), **{**kw, "vocab_size": 400})
+    with pytest.raises(DataError, match="was started with other settings: skip_empty False there, True requested"):
+        prepare(str(tmp_path), skip_empty=True, **kw)
+    assert prepare(str(tmp_path), **kw)["complete"]                     # the same settings resume
+
+
+def test_same_command_returns_the_metadata_without_tokenizing(tmp_path, prepared, corpus_file, monkeypatch):
+    from fpscale.data import fineweb
+    out = copy_of(prepared, tmp_path)
+    before = snapshot(out)
+
+    def unused(*args, **kwargs):
+        raise AssertionError("a complete folder was prepared again")
+    monkeypatch.setattr(fineweb, "open_documents", unused)
+    monkeypatch.setattr(fineweb, "train_tokenizer", unused)
+    meta = prepare(out, files=[corpus_file], **PREPARED)
+    assert meta == json.load(open(os.path.join(prepared, "tokens", "metadata.json"))) and meta["complete"]
+    assert snapshot(out) == before
+
+
+def test_old_plan_without_the_new_keys_is_read(tmp_path, prepared, corpus_file):
+    """A folder prepared before skip_empty / tokenizer_sample_docs were recorded (cache/corpus)."""
+    out = copy_of(prepared, tmp_path)
+    for name in ("plan.json", os.path.join("tokens", "metadata.json")):
+        path = os.path.join(out, name)
+        data = json.load(open(path))
+        del data["skip_empty"], data["tokenizer_sample_docs"]
+        open(path, "w").write(json.dumps(data, indent=1))
+    assert prepare(out, files=[corpus_file], skip_empty=True, tokenizer_sample_docs=50, **PREPARED)["complete"]
+    with pytest.raises(DataError, match="vocab_size 320 there, 400 requested"):
+        prepare(out, files=[corpus_file], **{**PREPARED, "vocab_size": 400})
+
+
+def test_overwrite_replaces_the_preparation(tmp_path, prepared, corpus_file):
+    out = copy_of(prepared, tmp_path)
+    open(os.path.join(out, "notes.txt"), "w").write("mine")
+    meta = prepare(out, files=[corpus_file], overwrite=True, **{**PREPARED, "vocab_size": 400, "docs_per_shard": 32})
+    assert meta["complete"] and meta["vocab_size"] == 400 and len(meta["shards"]) == 4
+    assert spm.SentencePieceProcessor(model_file=os.path.join(out, "tokenizer.model")).get_piece_size() == 400
+    assert json.load(open(os.path.join(out, "plan.json")))["vocab_size"] == 400
+    assert sorted(os.listdir(os.path.join(out, "tokens"))) == sorted(
+        ["metadata.json"] + [f"shard_{u:05d}.{x}" for u in range(4) for x in ("json", "train.bin", "train.idx",
+                                                                          "val.bin", "val.idx")])
+    assert open(os.path.join(out, "notes.txt")).read() == "mine"          # nothing else is deleted
+    assert prepare(out, files=[corpus_file], **{**PREPARED, "vocab_size": 400, "docs_per_shard": 32}) == meta
+
+
+def test_overwrite_keeps_a_given_tokenizer_inside_the_folder(tmp_path, prepared, corpus_file):
+    out = copy_of(prepared, tmp_path)
+    model = os.path.join(out, "tokenizer.model")
+    model_bytes = open(model, "rb").read()
+    meta = prepare(out, files=[corpus_file], tokenizer=model, overwrite=True, **{**PREPARED, "docs_per_shard": 8})
+    assert open(model, "rb").read() == model_bytes and os.path.exists(os.path.join(out, "tokenizer.vocab"))
+    assert meta["complete"] and meta["docs_per_shard"] == 8 and meta["tokenizer_sample_docs"] is None
+    # a tokenizer kept under tokens/ survives too, and the folder's tokenizer.model is replaced by it
+    inner = os.path.join(out, "tokens", "mine.model")
+    other = prepare(str(tmp_path / "o"), files=[corpus_file], progress=False, workers=1, vocab_size=400)
+    import shutil
+    shutil.copy(os.path.join(tmp_path, "o", "tokenizer.model"), inner)
+    meta = prepare(out, files=[corpus_file], tokenizer=inner, overwrite=True, **PREPARED)
+    assert os.path.exists(inner) and meta["tokenizer_sha256"] == other["tokenizer_sha256"]
+    assert not os.path.exists(os.path.join(out, "tokenizer.vocab"))        # the old trained tokenizer's
+
+
+def load_cli():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "data", "prepare_fineweb.py")
+    spec = importlib.util.spec_from_file_location("prepare_fineweb_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_refuses_with_exit_2_and_overwrites_on_request(tmp_path, prepared, corpus_file, capsys):
+    cli = load_cli()
+    out = copy_of(prepared, tmp_path)
+    argv = ["--files", corpus_file, "--out", out, "--vocab-size", "400", "--val-fraction", "0.2",
+            "--docs-per-shard", "16", "--workers", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "traceback" not in err.lower()
+    assert "vocab_size 320 there, 400 requested; pass --overwrite" in err
+    assert cli.main(argv + ["--overwrite"]) == 0
+    assert json.load(open(os.path.join(out, "tokens", "metadata.json")))["vocab_size"] == 400
