@@ -1,7 +1,37 @@
-"""Errors that fpscale raises for bad input, each naming what was wrong."""
+"""Errors fpscale raises, and the exit codes of its commands.
+
+An error that is the user's to fix (a config value, a path, a layout, the data, a checkpoint that
+does not fit) is a ``UserError``: every command prints its one-line message, no traceback, and
+exits with 2. A few other endings are reported the same way with their own codes (a disk that
+filled during a save, a peer rank that vanished). Anything else is not the user's mistake: it
+keeps its traceback and exits with Python's code 1, so a bug never looks like a config error.
+
+    0   done
+    1   unexpected error (a bug in fpscale or its environment): the traceback says where
+    2   user error: the message names the key, file or constraint (``UserError``)
+    69  a peer rank vanished (killed, OOM, node failure): the message names it (``PeerLost``)
+    74  a disk filled during a checkpoint save; the last complete checkpoint is intact (``StorageFull``)
+    75  preempted: every rank saved at a step boundary (fpscale/train/signals.py)
+"""
+
+EXIT_INTERNAL = 1
+EXIT_USER = 2
+EXIT_PEER_LOST = 69        # sysexits EX_UNAVAILABLE
+EXIT_STORAGE = 74          # sysexits EX_IOERR
 
 
-class ConfigError(ValueError):
+class ReportedError(Exception):
+    """An ending whose message says everything: commands print it in one line and exit with
+    ``exit_code`` (fpscale.cli.reported)."""
+    exit_code = EXIT_INTERNAL
+
+
+class UserError(ReportedError):
+    """Input the user can fix: a config value, a path, a layout, data or a checkpoint."""
+    exit_code = EXIT_USER
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value breaks a constraint.
 
     ``key`` is the dotted path of the offending entry (``solver.max_iter``), so the message
@@ -19,9 +49,30 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data (a corpus, a prepared shard, a tokenizer): the message says which file,
     column or document."""
+
+
+class LayoutError(UserError, ValueError):
+    """A launch that cannot run the config: world size, tensor-parallel split, batch geometry,
+    devices per process. The message gives the numbers and a fix."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be read, resumed or converted: the message names the folder or
+    file and what is wrong with it."""
+
+
+class StorageFull(ReportedError):
+    """A write ran out of space (or quota, or the file-size limit) during a checkpoint save; the
+    message names the file and the last complete checkpoint, which is untouched."""
+    exit_code = EXIT_STORAGE
+
+
+class PeerLost(ReportedError, RuntimeError):
+    """A rank of the job stopped (its heartbeat ended) while this one still needed it."""
+    exit_code = EXIT_PEER_LOST
 
 
 class ConfigWarning(UserWarning):

@@ -12,7 +12,8 @@
     torchrun --nproc_per_node 2 launch/convert.py --weights exported/ --name NAME [key=value ...]
 
 The config of the exported weights travels with them (config.yaml); overrides apply on top
-(e.g. parallel.tp=2, train.out_dir=...). Exit code 2 for input that cannot be converted.
+(e.g. parallel.tp=2, train.out_dir=...). Exit code 2 for input that cannot be converted (the
+codes: fpscale/errors.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ import argparse
 import os
 import sys
 
+from fpscale.cli import reported
+from fpscale.errors import CheckpointError, UserError
 
+
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="sharded checkpoint folder to consolidate (--to hf: or exported weights)")
@@ -36,37 +41,31 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of the weights' config")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from fpscale.errors import ConfigError
-    from fpscale.train.checkpoint import CheckpointError
-    try:
-        if args.checkpoint and args.out:
-            from fpscale.train.checkpoint import export_safetensors, verify
-            if os.path.exists(os.path.join(args.checkpoint, "meta.json")):
-                problem = verify(args.checkpoint)
-                if problem:
-                    raise CheckpointError(f"cannot convert {args.checkpoint}: {problem}")
-            if args.to == "hf":
-                from fpscale.hf.export import export_hf
-                if args.eval_depth is not None and args.eval_depth < 1:
-                    raise ValueError(f"--eval-depth must be >= 1, got {args.eval_depth}")
-                export_hf(args.checkpoint, args.out, False if args.no_tokenizer else args.tokenizer, args.eval_depth)
-                print(f"wrote the Hugging Face folder {args.out} (AutoModelForCausalLM.from_pretrained(..., "
-                      f"trust_remote_code=True))")
-                return 0
-            export_safetensors(args.checkpoint, args.out)
-            print(f"wrote {os.path.join(args.out, 'model.safetensors')} and config.yaml")
+    if args.checkpoint and args.out:
+        from fpscale.train.checkpoint import export_safetensors, verify
+        if os.path.exists(os.path.join(args.checkpoint, "meta.json")):
+            problem = verify(args.checkpoint)
+            if problem:
+                raise CheckpointError(f"cannot convert {args.checkpoint}: {problem}")
+        if args.to == "hf":
+            from fpscale.hf.export import export_hf
+            if args.eval_depth is not None and args.eval_depth < 1:
+                raise UserError(f"--eval-depth must be >= 1, got {args.eval_depth}")
+            export_hf(args.checkpoint, args.out, False if args.no_tokenizer else args.tokenizer, args.eval_depth)
+            print(f"wrote the Hugging Face folder {args.out} (AutoModelForCausalLM.from_pretrained(..., "
+                  f"trust_remote_code=True))")
             return 0
-        if args.weights and args.name:
-            import fpscale
-            from fpscale.train.trainer import Trainer
-            cfg = fpscale.load_config(os.path.join(args.weights, "config.yaml"), [
-                f"name={args.name}", f"train.init_weights={args.weights}", "train.resume=none", *args.overrides])
-            with Trainer(cfg, log=False) as trainer:
-                trainer.save_checkpoint()
-            return 0
-    except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        export_safetensors(args.checkpoint, args.out)
+        print(f"wrote {os.path.join(args.out, 'model.safetensors')} and config.yaml")
+        return 0
+    if args.weights and args.name:
+        import fpscale
+        from fpscale.train.trainer import Trainer
+        cfg = fpscale.load_config(os.path.join(args.weights, "config.yaml"), [
+            f"name={args.name}", f"train.init_weights={args.weights}", "train.resume=none", *args.overrides])
+        with Trainer(cfg, log=False) as trainer:
+            trainer.save_checkpoint()
+        return 0
     ap.error("give --checkpoint and --out, or --weights and --name")
 
 

@@ -8,7 +8,7 @@ Prints validation loss, perplexity and per-layer iteration statistics; writes ev
 iterations.png into --out (default: DIR/eval). --depths evaluates once more per depth, every looped
 layer capped at that many solver iterations: eval.json gains "depths" (one record per depth), the
 table is printed and depth.png plots loss and iterations against depth. Exit code 2 for a checkpoint
-that cannot be read or a bad --depths.
+that cannot be read or a bad --depths (the codes: fpscale/errors.py).
 """
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ import argparse
 import os
 import sys
 
+from fpscale.cli import reported
+from fpscale.errors import UserError
+
 
 def parse_depths(text: str | None) -> list[int]:
-    """``"1,2,8"`` -> [1, 2, 8] (sorted, duplicates dropped); None -> []. A ValueError names --depths."""
+    """``"1,2,8"`` -> [1, 2, 8] (sorted, duplicates dropped); None -> []. A UserError names --depths."""
     if text is None:
         return []
     try:
@@ -26,7 +29,7 @@ def parse_depths(text: str | None) -> list[int]:
     except ValueError:
         depths = []
     if not depths or min(depths) < 1:
-        raise ValueError(f"--depths must be a comma-separated list of integers >= 1 (e.g. 1,2,4,8), got {text!r}")
+        raise UserError(f"--depths must be a comma-separated list of integers >= 1 (e.g. 1,2,4,8), got {text!r}")
     return sorted(set(depths))
 
 
@@ -40,6 +43,7 @@ def depth_table(records: list[dict]) -> list[str]:
     return [head] + rows
 
 
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a checkpoint folder (runs/<name>/checkpoints/step_...)")
@@ -50,21 +54,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="report folder (default: CHECKPOINT/eval)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    try:
-        depths = parse_depths(args.depths)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    depths = parse_depths(args.depths)
     from fpscale.eval.evaluate import evaluate_checkpoint
     from fpscale.parallel.state import init_parallel
-    from fpscale.train.checkpoint import CheckpointError
-    try:
-        state = init_parallel(args.tp)
-        report = evaluate_checkpoint(args.checkpoint, state, args.out or os.path.join(args.checkpoint, "eval"),
-                                     args.batches, depths)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    state = init_parallel(args.tp)
+    report = evaluate_checkpoint(args.checkpoint, state, args.out or os.path.join(args.checkpoint, "eval"),
+                                 args.batches, depths)
     if state.is_main:
         print(f"step {report['step']}: validation loss {report['val_loss']:.4f} ppl {report['val_ppl']:.2f} "
               f"(saved on tp {report['saved_layout']['tp']} x dp {report['saved_layout']['dp']}, evaluated on "

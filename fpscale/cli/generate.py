@@ -11,7 +11,11 @@ import argparse
 import os
 import sys
 
+from fpscale.cli import reported
+from fpscale.errors import UserError
 
+
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="folder with model.safetensors and config.yaml")
@@ -36,15 +40,21 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
 
     import fpscale
+    weights = os.path.join(args.model, "model.safetensors")
+    if not os.path.exists(weights):
+        raise UserError(f"--model {args.model}: no model.safetensors there (launch/convert.py writes one from a "
+                        f"checkpoint)")
     cfg = fpscale.load_config(os.path.join(args.model, "config.yaml"))
     model = fpscale.build_model(cfg)
-    missing, unexpected = model.load_state_dict(load_file(os.path.join(args.model, "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
     if [k for k in missing if k != "lm_head"] or unexpected:
-        print(f"error: weights do not match the config (missing {missing}, unexpected {unexpected})", file=sys.stderr)
-        return 2
+        raise UserError(f"--model {args.model}: the weights do not match the config (missing {missing}, "
+                        f"unexpected {unexpected})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(device).eval()
     tok_path = args.tokenizer or os.path.join(os.path.dirname(cfg.data.path.rstrip("/")), "tokenizer.model")
+    if not os.path.exists(tok_path):
+        raise UserError(f"no tokenizer at {tok_path}: pass --tokenizer (the tokenizer.model of the data)")
     sp = spm.SentencePieceProcessor(model_file=tok_path)
     encoded = [sp.encode(p) for p in prompts]
     if not all(encoded):

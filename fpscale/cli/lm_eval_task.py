@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fpscale.cli import reported
 
+
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="+", required=True, help="parquet / jsonl documents (FineWeb schema)")
@@ -21,13 +24,8 @@ def main(argv=None) -> int:
                     help="the documents held out by data/prepare_fineweb.py (its --val-fraction)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from fpscale.errors import DataError
     from fpscale.eval.cloze import write_task
-    try:
-        path = write_task(args.files, args.out, args.items, args.val_fraction, args.seed)
-    except (DataError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    path = write_task(args.files, args.out, args.items, args.val_fraction, args.seed)
     print(f"wrote {path}: lm_eval ... --include_path {args.out} --tasks fpscale_cloze")
     return 0
 

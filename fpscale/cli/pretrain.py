@@ -11,38 +11,31 @@ checkpoints/ (every train.save_interval steps and at the end) and, with train.ex
 final/ (whole weights as safetensors; launch/convert.py makes them from any checkpoint).
 ``train.resume: auto`` (the default) continues from the newest complete checkpoint.
 
-Exit codes: 0 done; 2 a configuration / checkpoint that cannot work (the message names it);
-75 preempted: SIGTERM or SIGUSR1 made every rank save at the next step boundary (resume with
-the same command).
+Exit codes (fpscale/errors.py): 0 done; 1 an unexpected error (traceback); 2 a config, path,
+layout, data or checkpoint mistake (one line naming it); 69 a peer rank vanished (named);
+74 a disk filled during a save (the last complete checkpoint is intact); 75 preempted: SIGTERM
+or SIGUSR1 made every rank save at the next step boundary (resume with the same command).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from fpscale.cli import reported
 from fpscale.config import load_config
-from fpscale.errors import ConfigError
 
 
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML config (see configs/)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)   # set by deepspeed
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from fpscale.train.checkpoint import CheckpointError
+    cfg = load_config(args.config, args.overrides)
     from fpscale.train.signals import EXIT_PREEMPTED
     from fpscale.train.trainer import Trainer
-    try:
-        trainer = Trainer(cfg)
-    except (ValueError, CheckpointError) as exc:     # batch geometry, world size, a checkpoint that cannot load
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    trainer = Trainer(cfg)
     if trainer.state.is_main:
         print(f"model: {trainer.model.num_params():,} parameters, layers {trainer.model.layer_types}; "
               f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "

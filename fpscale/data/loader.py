@@ -15,6 +15,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fpscale.errors import DataError
+
 
 @dataclass
 class LoaderState:
@@ -26,7 +28,7 @@ class LoaderState:
 class GlobalOrder:
     def __init__(self, num_samples: int, seed: int, shuffle: bool = True):
         if num_samples < 1:
-            raise ValueError("the dataset holds no complete sample")
+            raise DataError("the dataset holds no complete sample")
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
 
     @lru_cache(maxsize=2)

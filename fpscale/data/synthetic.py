@@ -27,6 +27,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fpscale.errors import DataError
+
 GROUP_TASKS = ("s3", "a4", "a5")
 ALIGNED_TASKS = GROUP_TASKS + ("copy_sep", "induction")
 IGNORE = -100
@@ -88,18 +90,18 @@ class SyntheticTask:
     def _check(self) -> None:
         known = ("periodic", "copy") + ALIGNED_TASKS
         if self.task not in known:
-            raise ValueError(f"unknown synthetic task {self.task!r}: one of {known}")
+            raise DataError(f"unknown synthetic task {self.task!r}: one of {known}")
         if self.task in GROUP_TASKS and self.vocab < len(group_elements(self.task)):
-            raise ValueError(f"task {self.task} has {len(group_elements(self.task))} elements: vocab_size "
+            raise DataError(f"task {self.task} has {len(group_elements(self.task))} elements: vocab_size "
                              f"{self.vocab} is too small")
         if self.task == "copy_sep":
             if not (1 <= self.min_len <= self.max_len and 2 * self.max_len <= self.seq_len and self.vocab >= 3):
-                raise ValueError(f"copy_sep needs 1 <= min_len <= max_len, 2 max_len <= seq_len and vocab >= 3, got "
+                raise DataError(f"copy_sep needs 1 <= min_len <= max_len, 2 max_len <= seq_len and vocab >= 3, got "
                                  f"{self.min_len}, {self.max_len}, {self.seq_len}, {self.vocab}")
         if self.task == "induction":
             room = (self.seq_len - 4) // 2          # pair slots besides the true pair and the query
             if self.vocab < 4 or self.distractors > room - 1 or self.seq_len < 6:
-                raise ValueError(f"induction: {self.distractors} distractor pairs need seq_len >= "
+                raise DataError(f"induction: {self.distractors} distractor pairs need seq_len >= "
                                  f"{2 * self.distractors + 6} and vocab >= 4, got {self.seq_len}, {self.vocab}")
 
     @property

@@ -21,6 +21,7 @@ import random
 import re
 
 from fpscale.data.fineweb import expand_files, is_validation, iter_texts, open_documents
+from fpscale.errors import DataError
 
 TASK = "fpscale_cloze"
 CHOICES = 4
@@ -63,10 +64,10 @@ def write_task(files: list[str], out: str, n_items: int = 200, val_fraction: flo
     docs = [(doc_id, text) for doc_id, text in iter_texts(rows, text_column, skip_empty=True)
             if is_validation(doc_id, val_fraction)]
     if not docs:
-        raise ValueError(f"no validation document in {files} at val_fraction {val_fraction}")
+        raise DataError(f"no validation document in {files} at val_fraction {val_fraction}")
     items = make_items(docs, n_items, seed)
     if len(items) < 10:
-        raise ValueError(f"only {len(items)} cloze items could be made from {len(docs)} validation documents")
+        raise DataError(f"only {len(items)} cloze items could be made from {len(docs)} validation documents")
     os.makedirs(out, exist_ok=True)
     data = os.path.abspath(os.path.join(out, f"{TASK}.jsonl"))
     with open(data, "w") as fh:

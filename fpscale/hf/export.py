@@ -25,6 +25,7 @@ import re
 import shutil
 from pathlib import Path
 
+from fpscale.errors import UserError
 from fpscale.typed import to_dict
 
 PACKAGE = Path(__file__).resolve().parent.parent            # the fpscale package folder
@@ -137,12 +138,12 @@ def export_hf(source: str, out: str, tokenizer: str | bool | None = None, eval_d
 
 def check_tokenizer(path: str, vocab_size: int) -> None:
     if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer: no SentencePiece model at {path}; give the tokenizer.model the data was "
+        raise UserError(f"--tokenizer: no SentencePiece model at {path}; give the tokenizer.model the data was "
                          f"prepared with (or --no-tokenizer for a model of synthetic tokens)")
     import sentencepiece as spm
     pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
     if pieces > vocab_size:
-        raise ValueError(f"--tokenizer: {path} has {pieces} pieces, more than model.vocab_size = {vocab_size}")
+        raise UserError(f"--tokenizer: {path} has {pieces} pieces, more than model.vocab_size = {vocab_size}")
 
 
 def write_json(path: str, data: dict) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fpscale.errors import LayoutError
 from fpscale.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead, mark_tensor_parallel, shard
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from fpscale.parallel.random import RNGTracker
@@ -76,7 +77,7 @@ def check_divisibility(cfg, tp: int) -> None:
     checks.append(("model.vocab_size", cfg.vocab_size, ""))
     for name, value, where in checks:
         if value % tp:
-            raise ValueError(f"{name} = {value} is not divisible by parallel.tp = {tp}{where}")
+            raise LayoutError(f"{name} = {value} is not divisible by parallel.tp = {tp}{where}")
 
 
 def split(owner: torch.nn.Module, name: str, rank: int, tp: int, dim: int, parts: int = 1) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fpscale.errors import LayoutError, UserError
+
 
 @dataclass
 class ParallelState:
@@ -101,7 +103,7 @@ def slurm_node_address(nodelist: str) -> str:
         info = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True, check=True,
                               timeout=30).stdout
     except (OSError, subprocess.SubprocessError, IndexError) as exc:
-        raise RuntimeError(f"cannot find the first node's address of SLURM node list {nodelist!r}: {exc}; "
+        raise UserError(f"cannot find the first node's address of SLURM node list {nodelist!r}: {exc}; "
                            "set MASTER_ADDR") from exc
     for field in info.split():
         if field.startswith("NodeAddr="):
@@ -118,7 +120,7 @@ def compute_device(local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank)
     if n == 1:
         return torch.device("cuda", 0)
-    raise RuntimeError(f"LOCAL_RANK {local_rank} but this process sees {n} GPUs "
+    raise LayoutError(f"LOCAL_RANK {local_rank} but this process sees {n} GPUs "
                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one "
                        f"process per GPU, each seeing all of its node's GPUs or exactly one")
 
@@ -134,7 +136,7 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if tp_size < 1 or world % tp_size:
-        raise ValueError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
+        raise LayoutError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
     cuda = torch.cuda.is_available()
     device = compute_device(local_rank) if cuda else torch.device("cpu")
     if world == 1 and tp_size == 1:

@@ -23,6 +23,7 @@ reads the whole weights of a checkpoint of any layout, for evaluation, export an
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -36,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 from fpscale.config import Config, config_to_dict
+from fpscale.errors import CheckpointError, StorageFull
 from fpscale.files import fsync_dir, sha256_file, write_atomic
 from fpscale.log import get_logger
 from fpscale.models import build_model
 from fpscale.parallel.layers import shard, unshard
+from fpscale.train import faults
 from fpscale.train.state import TrainState
 from fpscale.typed import from_dict
 
@@ -47,10 +50,6 @@ log = get_logger(__name__)
 
 CHECKPOINTS = "checkpoints"
 TAG = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def tag_for(step: int) -> str:
@@ -150,6 +149,8 @@ def write_manifest(folder: str, shares: list[dict[str, dict]] | None = None) -> 
 def verify(folder: str, rank: int = 0, world: int = 1) -> str | None:
     """None if the checkpoint is complete and intact, else what is wrong (naming the file). With
     ``world`` > 1, only this rank's share of the files is hashed (``verify_together``)."""
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
     path = os.path.join(folder, "manifest.json")
     if not os.path.exists(path):
         return f"{path} is missing (an interrupted save)"
@@ -218,28 +219,44 @@ def newest_complete(root: str, state=None) -> str | None:
 def save(run_dir: str, cfg: Config, state, model, optimizer, engine, progress: TrainState) -> str:
     """Write a checkpoint of ``progress.step`` under ``run_dir/checkpoints``; every rank calls it.
     ``engine`` is the DeepSpeed engine (None on one process, which saves ``model`` and
-    ``optimizer`` itself). Returns the published folder."""
+    ``optimizer`` itself). Returns the published folder.
+
+    A write that runs out of space on any rank (full disk, quota, file-size limit) ends the save
+    on every rank with ``StorageFull``: the partial folder is removed, nothing is published, and
+    the message names the newest published checkpoint, which was never touched."""
     root = os.path.join(run_dir, CHECKPOINTS)
     tag = tag_for(progress.step)
     partial = os.path.join(root, ".partial")
     work = os.path.join(partial, tag)
+    faults.at("save", progress.step)
     if state.is_main:
         shutil.rmtree(work, ignore_errors=True)          # left by a save that was killed
+        shutil.rmtree(os.path.join(partial, "discarded"), ignore_errors=True)
         os.makedirs(work)
     barrier(state)
     materialize_adam_state(optimizer)
-    if engine is not None:
-        engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
-            "universal_checkpoint_info": universal_info(model, state.tp_size)})
-    else:
-        torch.save(model.state_dict(), os.path.join(work, "model.pt"))
-        torch.save(optimizer.state_dict(), os.path.join(work, "optim.pt"))
-    torch.save(rank_state(model, progress, state), os.path.join(work, rank_file(state.rank)))
-    if state.is_main:
-        meta = describe(cfg, state, model, engine is not None, progress)
-        write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
-    barrier(state)
-    fault_point("save", progress.step)
+    failure, in_engine = None, False
+    try:
+        if engine is not None:
+            in_engine = True
+            engine.save_checkpoint(partial, tag=tag, save_latest=False, client_state={
+                "universal_checkpoint_info": universal_info(model, state.tp_size)})
+            in_engine = False
+        else:
+            torch.save(model.state_dict(), os.path.join(work, "model.pt"))
+            torch.save(optimizer.state_dict(), os.path.join(work, "optim.pt"))
+        torch.save(rank_state(model, progress, state), os.path.join(work, rank_file(state.rank)))
+        if state.is_main:
+            meta = describe(cfg, state, model, engine is not None, progress)
+            write_atomic(os.path.join(work, "meta.json"), json.dumps(meta, indent=1))
+    except Exception as exc:                   # torch.save reports a full disk as a RuntimeError
+        failure = storage_failure(work, exc, state.rank)
+        if in_engine and state.distributed:
+            # DeepSpeed ends its save with a barrier of every rank, where the ranks whose writes
+            # succeeded now wait: join it, so that every rank reaches the agreement below
+            dist.barrier()
+    fail_together(state, failure, root, tag)
+    faults.at("hash", progress.step)
     listing = [_files(work) if state.is_main else None]
     if state.distributed:
         dist.broadcast_object_list(listing, src=0, group=state.host_group)
@@ -250,14 +267,68 @@ def save(run_dir: str, cfg: Config, state, model, optimizer, engine, progress: T
         dist.gather_object(share, shares, dst=0, group=state.host_group)
     target = os.path.join(root, tag)
     if state.is_main:
-        write_manifest(work, shares)                              # last: marks the folder complete
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(work, target)
-        fsync_dir(root)
-        rotate(root, cfg.train.keep_last)
-        log.info("saved checkpoint %s", target)
-    barrier(state)
+        try:
+            write_manifest(work, shares)                              # last: marks the folder complete
+        except Exception as exc:
+            failure = storage_failure(work, exc, state.rank)
+        if failure is None:
+            discard(target, root)                # a checkpoint of this step saved before (a re-run)
+            os.replace(work, target)
+            fsync_dir(root)
+            rotate(root, cfg.train.keep_last)
+            log.info("saved checkpoint %s", target)
+    fail_together(state, failure, root, tag)
     return target
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def storage_failure(folder: str, exc: Exception, rank: int) -> str:
+    """What to report when a write into ``folder`` raised ``exc``, if the cause is that the file
+    system takes no more (full, over quota, over the file-size limit); otherwise ``exc`` is
+    raised again (a bug keeps its traceback). torch.save reports a full disk as a RuntimeError
+    without errno, so the file system is asked directly: a 1 MiB probe write."""
+    cause = exc if isinstance(exc, OSError) and exc.errno in NO_SPACE else None
+    if cause is None:
+        probe = os.path.join(folder, f".space_probe.{os.getpid()}")
+        try:
+            with open(probe, "wb") as fh:
+                fh.write(bytes(1 << 20))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as refused:
+            if refused.errno not in NO_SPACE:
+                raise exc from None
+            cause = refused
+        finally:
+            if os.path.exists(probe):
+                os.unlink(probe)
+        if cause is None:
+            raise exc
+    return f"rank {rank}: {os.strerror(cause.errno)} ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def fail_together(state, failure: str | None, root: str, tag: str) -> None:
+    """Every rank learns whether any rank's part of the save failed (one gather on the host
+    group, which also serves as the save's barrier); if one did, the partial folder goes and
+    every rank raises ``StorageFull`` naming the newest published checkpoint."""
+    failures = [failure]
+    if state.distributed:
+        failures = [None] * state.world_size
+        dist.all_gather_object(failures, failure, group=state.host_group)
+    failed = [f for f in failures if f]
+    if not failed:
+        return
+    if state.is_main:
+        shutil.rmtree(os.path.join(root, ".partial", tag), ignore_errors=True)
+    barrier(state)
+    last = published(root)
+    kept = (f"the last complete checkpoint {last[0]} is intact (resume: auto continues from it)" if last else
+            "no earlier checkpoint exists")
+    raise StorageFull(f"checkpoint {tag} could not be written, the file system takes no more data "
+                      f"({'; '.join(failed)}); its partial files were removed and nothing was published; {kept}. "
+                      f"Free space under {root}, then run the same command again")
 
 
 def describe(cfg: Config, state, model, deepspeed: bool, progress: TrainState) -> dict:
@@ -289,8 +360,25 @@ def rotate(root: str, keep_last: int) -> None:
     if keep_last <= 0:
         return
     for folder in published(root)[keep_last:]:
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(os.path.join(root, "universal", os.path.basename(folder)), ignore_errors=True)
+        discard(folder, root)
+        discard(os.path.join(root, "universal", os.path.basename(folder)), root)
+
+
+def discard(folder: str, root: str) -> None:
+    """Delete ``folder`` (under checkpoint ``root``) so that a kill part-way never leaves a
+    half-deleted checkpoint in sight: one atomic rename into ``root/.partial/discarded`` first,
+    whose leftovers the next save clears."""
+    if not os.path.exists(folder):
+        return
+    trash = os.path.join(root, ".partial", "discarded")
+    os.makedirs(trash, exist_ok=True)
+    moved = os.path.join(trash, f"{os.path.basename(folder)}.{os.getpid()}")
+    os.replace(folder, moved)
+    shutil.rmtree(moved, ignore_errors=True)
+    try:
+        os.rmdir(trash)
+    except OSError:
+        pass
 
 
 def rank_state(model, progress: TrainState, state) -> dict:
@@ -305,15 +393,6 @@ def barrier(state) -> None:
     """Wait for every rank on the host group (gloo, the save timeout): nothing else runs meanwhile."""
     if state.distributed:
         dist.barrier(group=state.host_group)
-
-
-def fault_point(where: str, step: int) -> None:
-    """Fault injection for the crash-safety tests: FPSCALE_FAULT=kill_in_save:STEP makes rank 0 die
-    with SIGKILL in the middle of that step's save (shards written, nothing published)."""
-    spec = os.environ.get("FPSCALE_FAULT", "")
-    if spec == f"kill_in_{where}:{step}" and int(os.environ.get("RANK", "0")) == 0:
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- read ----------------------------------------------------------------------------------------
@@ -347,7 +426,7 @@ def universal_folder(folder: str) -> str:
            "--output_folder", tmp, "--num_extract_workers", workers, "--num_merge_workers", workers]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     if proc.returncode:
-        raise CheckpointError(f"DeepSpeed could not convert {folder} to a universal checkpoint:\n"
+        raise RuntimeError(f"DeepSpeed could not convert {folder} to a universal checkpoint:\n"
                               f"{(proc.stdout + proc.stderr)[-3000:]}")
     open(os.path.join(tmp, ".complete"), "w").close()
     shutil.rmtree(out, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fpscale.errors import check
+from fpscale.errors import LayoutError, check
 
 
 @dataclass
@@ -22,6 +22,11 @@ class TrainConfig:
     ``eval_depths: [1, 4, 16]`` also validates once per depth, every looped layer capped at that
     many solver iterations (test-time compute): the val record gains ``depths`` and scalars
     ``val_loss_depth_4`` ... (TensorBoard ``val/val_loss_depth_4``). Empty (default): no sweep.
+
+    Checkpoints: every ``save_interval`` steps, every ``save_interval_minutes`` (default 30; the
+    timer runs on rank 0 and every rank agrees at a step boundary) and at the end, so a kill that
+    no handler sees (SIGKILL, a dead node) loses at most one interval; SIGTERM / SIGUSR1 save at
+    the next step boundary (fpscale/train/signals.py).
 
     ``export_final: true`` ends the run with rank 0 merging the last checkpoint into whole weights
     (``final/model.safetensors``): one process reading every shard, seconds at the tiny configs,
@@ -47,7 +52,8 @@ class TrainConfig:
     eval_batches: int = 8
     eval_depths: list[int] = field(default_factory=list)   # evaluation depths to sweep at each validation
     out_dir: str = "runs"
-    save_interval: int = 0        # steps between checkpoints; 0 = only at the end (always saved)
+    save_interval: int = 0        # steps between checkpoints (0 = none by count); the end is always saved
+    save_interval_minutes: float = 30.0   # minutes between checkpoints on rank 0's clock (0 = none by time)
     export_final: bool = False    # at the end, also merge the last checkpoint into final/ (docstring)
     keep_last: int = 3            # checkpoints kept in runs/<name>/checkpoints (0 = all)
     resume: str = "auto"          # auto (newest complete checkpoint of this run, if any) | none | a folder
@@ -76,6 +82,8 @@ class TrainConfig:
         check(self.peak_tflops >= 0, f"{prefix}.peak_tflops", f"must be >= 0 (0 = auto), got {self.peak_tflops}")
         check(self.save_interval >= 0, f"{prefix}.save_interval", f"must be >= 0 (0 = at the end), got "
               f"{self.save_interval}")
+        check(self.save_interval_minutes >= 0, f"{prefix}.save_interval_minutes",
+              f"must be >= 0 (0 = no timed saves), got {self.save_interval_minutes}")
         check(self.stop_at >= 0, f"{prefix}.stop_at", f"must be >= 0 (0 = train.steps), got {self.stop_at}")
         check(self.keep_last >= 0, f"{prefix}.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         check(bool(self.resume), f"{prefix}.resume", "must be auto, none or a checkpoint folder")
@@ -96,18 +104,18 @@ class BatchPlan:
 
 
 def resolve_batch(t: TrainConfig, dp_size: int) -> BatchPlan:
-    """Split ``t.global_batch`` over ``dp_size`` ranks, or a ValueError with the numbers and a fix.
+    """Split ``t.global_batch`` over ``dp_size`` ranks, or a LayoutError with the numbers and a fix.
     Derived accumulation: the largest micro-batch <= ``t.micro_batch`` dividing each rank's share."""
     g = t.global_batch
     if g % dp_size:
         lo, hi = g // dp_size * dp_size, -(-g // dp_size) * dp_size
         nearest = f"{lo} or {hi}" if lo else f"{hi}"
-        raise ValueError(f"train.global_batch = {g} sequences do not split over {dp_size} data-parallel ranks: "
+        raise LayoutError(f"train.global_batch = {g} sequences do not split over {dp_size} data-parallel ranks: "
                          f"use a multiple of {dp_size} (e.g. {nearest}) or another number of ranks")
     share = g // dp_size
     if t.grad_accum:
         if share != t.micro_batch * t.grad_accum:
-            raise ValueError(f"train.global_batch = {g} must equal train.micro_batch ({t.micro_batch}) x "
+            raise LayoutError(f"train.global_batch = {g} must equal train.micro_batch ({t.micro_batch}) x "
                              f"train.grad_accum ({t.grad_accum}) x data-parallel size ({dp_size}) = "
                              f"{t.micro_batch * t.grad_accum * dp_size}; set train.grad_accum: 0 to derive it")
         return BatchPlan(g, t.micro_batch, t.grad_accum, dp_size)

@@ -18,18 +18,19 @@ from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
 from fpscale.log import get_logger
 from fpscale.models import build_model
+from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
-from fpscale.train import checkpoint
+from fpscale.train import checkpoint, faults
 from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
 from fpscale.train.optim import AdamW
 from fpscale.train.resume import plan_resume, resume
 from fpscale.train.schedule import lr_at
-from fpscale.train.signals import Preemption
+from fpscale.train.signals import StepBoundary
 from fpscale.train.state import TrainState
 from fpscale.train.validation import depth_scalars, validate, validate_depths
 
@@ -146,6 +147,9 @@ class Trainer:
         t = cfg.train
         self.owns_state = state is None
         self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
+        self.heartbeat = None             # names a rank that vanishes (fpscale/parallel/heartbeat.py)
+        if self.state.distributed:
+            self.heartbeat = Heartbeat.start(self.state.rank, self.state.world_size, cfg.parallel.timeout_s)
         self.batch = resolve_batch(t, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
         if self.state.is_main and log:
@@ -187,9 +191,15 @@ class Trainer:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
 
     def close(self, wait_for_peers: bool = True) -> None:
+        """On an error (``wait_for_peers=False``) the heartbeat keeps watching, so that the
+        command can still name a peer that vanished."""
         self.metrics.close()
+        if self.heartbeat is not None and wait_for_peers:
+            self.heartbeat.stop_watching()        # from the last barrier on, ranks leave at will
         if self.owns_state:
             self.state.close(wait_for_peers)
+        if self.heartbeat is not None and wait_for_peers:
+            self.heartbeat.stop()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -311,6 +321,7 @@ class Trainer:
         evaluation cap; with ``train.eval_depths``, also ``depths`` (one record per depth) and
         flat scalars ``val_loss_depth_{d}``, ``val_ppl_depth_{d}``, ``val_iters_mean_depth_{d}``."""
         t = self.cfg.train
+        faults.at("val", self.step)
         forward = self.engine if self.engine is not None else self.model
         args = (forward, self.model, self.val_ds, t.micro_batch, t.eval_batches)
         out = validate(*args, self.state, self.autocast, progress=self.metrics.enabled)
@@ -320,18 +331,26 @@ class Trainer:
         return {"step": self.step, "kind": "val", **out}
 
     def train(self) -> list[dict]:
-        """Train to ``train.steps`` with checkpoints every ``save_interval`` steps and at the end.
-        A SIGTERM / SIGUSR1 on any rank saves at the next step boundary and returns early with
-        ``self.preempted`` set (launch/pretrain.py then exits with EXIT_PREEMPTED)."""
+        """Train to ``train.steps`` with checkpoints every ``save_interval`` steps, every
+        ``save_interval_minutes`` (rank 0's clock) and at the end. A SIGTERM / SIGUSR1 on any rank
+        saves at the next step boundary and returns early with ``self.preempted`` set
+        (launch/pretrain.py then exits with EXIT_PREEMPTED)."""
+        boundary = StepBoundary(self.cfg.train.save_interval_minutes)
+        try:
+            return self._train(boundary)
+        finally:
+            boundary.restore()
+
+    def _train(self, boundary: StepBoundary) -> list[dict]:
         t = self.cfg.train
         history: list[dict] = []
         window: dict[str, list] = {}       # SolverStats of the log interval, read at the log step
         tokens, t_last = 0, time.perf_counter()
-        preemption = Preemption()
         end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
         if self.step >= end:
             logger.info("nothing to train: resumed at step %d of train.steps = %d", self.step, t.steps)
         while self.step < end:
+            faults.at("step", self.step + 1)
             out = self.train_step()
             tokens += out["tokens"]
             for name, rows in out["layer_stats"].items():
@@ -357,14 +376,16 @@ class Trainer:
                 if self.metrics.enabled:
                     for line in validation_lines(record):
                         logger.info(line)
-            if preemption.agreed(self.state):
+            preempted, timer_due = boundary.agree(self.state)
+            if preempted:
                 self.save_checkpoint()
                 self.preempted = True
-                logger.info("preempted (signal %s): saved step %d", preemption.received or "on another rank",
+                logger.info("preempted (signal %s): saved step %d", boundary.received or "on another rank",
                             self.step)
                 break
-            if t.save_interval and self.step % t.save_interval == 0 and self.step < end:
+            if self.step < end and (timer_due or (t.save_interval and self.step % t.save_interval == 0)):
                 self.save_checkpoint()
+                boundary.saved()
         if not self.preempted:
             final = self.save_checkpoint()
             if t.export_final and self.state.is_main:      # one process merges every shard: opt-in

@@ -151,7 +151,7 @@ def test_killed_save_leaves_the_last_complete_checkpoint(tmp_path, straight):
     cmd = command(2, tmp_path, "killed", LAYOUTS["zero1"][1])
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                                              "FPSCALE_FAULT": "kill_in_save:4"},
+                                              "FPSCALE_FAULT": "SIGKILL@hash:4"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and time.time() - t0 < 240
     ckpts = tmp_path / "killed" / "checkpoints"
