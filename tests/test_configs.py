@@ -130,3 +130,13 @@ def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
         assert solver.stop_quantile == 0.25 and int(solver.stop_quantile * cfg.train.micro_batch) >= 1
         if solver.max_iter > 1:          # max_iter 1: a plain (one-pass) layer, such as 125m_mamba's
             assert solver.eval_iterations >= 2 * solver.max_iter
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_bounds_what_an_uncatchable_kill_loses(path):
+    """Every recipe states its save interval in steps and in minutes (SIGKILL or a dead node saves
+    nothing: a run loses at most one interval), and the step interval is a small part of the run."""
+    import yaml
+    train = yaml.safe_load(open(path))["train"]
+    assert train.get("save_interval", 0) > 0 and train.get("save_interval_minutes", 0) > 0, path
+    assert train["save_interval"] <= train["steps"] // 6
