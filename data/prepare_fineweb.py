@@ -3,17 +3,19 @@
     python data/prepare_fineweb.py --name sample-10BT --out cache/fineweb --vocab-size 50304
     python data/prepare_fineweb.py --files 'cache/corpus/raw/*.parquet' --out cache/corpus --vocab-size 8000
 
-Re-running the same command continues an interrupted preparation. See fpscale/data/fineweb.py.
+Re-running the same command continues an interrupted preparation; a folder prepared with other
+settings is refused (exit 2, naming what differs) unless --overwrite. See fpscale/data/fineweb.py.
 """
 import argparse
 import os
 import sys
 import time
 
+from fpscale.cli import reported
 from fpscale.data.fineweb import prepare
-from fpscale.errors import DataError
 
 
+@reported
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -36,15 +38,11 @@ def main(argv=None) -> int:
                          "and the tokenizer preparation wrote (never the --tokenizer file), then prepares afresh")
     args = ap.parse_args(argv)
     t0 = time.time()
-    try:
-        meta = prepare(args.out, files=args.files, name=args.name, dataset=args.dataset, tokenizer=args.tokenizer,
-                       vocab_size=args.vocab_size, dtype=args.dtype, val_fraction=args.val_fraction,
-                       docs_per_shard=args.docs_per_shard, tokenizer_sample_docs=args.tokenizer_sample_docs,
-                       workers=args.workers, text_column=args.text_column, skip_empty=args.skip_empty,
-                       max_shards=args.max_shards, overwrite=args.overwrite)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    meta = prepare(args.out, files=args.files, name=args.name, dataset=args.dataset, tokenizer=args.tokenizer,
+                   vocab_size=args.vocab_size, dtype=args.dtype, val_fraction=args.val_fraction,
+                   docs_per_shard=args.docs_per_shard, tokenizer_sample_docs=args.tokenizer_sample_docs,
+                   workers=args.workers, text_column=args.text_column, skip_empty=args.skip_empty,
+                   max_shards=args.max_shards, overwrite=args.overwrite)
     if not meta.get("complete"):
         print(f"stopped after {meta['shards']} shards; run the same command again to continue")
         return 0
