@@ -3,17 +3,20 @@ time with ``resume: auto``, against the same run left alone.
 
     python bench/chaos.py                                   # zero1 (2 processes), tp2xdp2 (4), 8 faults each
     python bench/chaos.py --layouts tp2xdp2 --interruptions 20 --steps 60 --seed 11
+    python bench/chaos.py --layouts zero3 train.precision=bf16 --out bench/results/chaos_bf16.json
 
 Every interruption is a fault (``FPSCALE_FAULT``, fpscale/train/faults.py): SIGKILL (3 in 4) or
 SIGTERM for a random rank, at a random phase (a training step, a validation, a save, the hashing
-of a save) of a random step ahead of the resume point, after a random delay of up to 0.3 s, so
-the signal comes from a timer thread wherever the run is by then: inside a collective, a write,
-a rename. The launcher (torchrun) ends the job; the next launch resumes; after the last fault the
-run trains to the end. Checked after every launch: every published checkpoint passes its
+of a save) of a random step ahead of the resume point, after a random delay within about the
+phase's length (``DELAY_S``), so the signal comes from a timer thread wherever the run is by then:
+inside a collective, a write, a rename; the line each launch prints says where it landed. The
+launcher (torchrun) ends the job; the next launch resumes; after the last fault the run trains
+to the end. Checked after every launch: every published checkpoint passes its
 manifest, and the steps recomputed (last step completed minus the step resumed from) never
 exceed ``train.save_interval``. At the end the losses, gradient norms, validation losses, final
 weights and data position must equal the uninterrupted run's bit for bit (the layout never
-changes). The seed is printed first; the same seed replays the same schedule.
+changes). The seed is printed first; the same seed draws the same faults (where a timed signal
+lands, and so the next resume point, can still vary with the machine's speed).
 
 Prints a table per layout (one row per launch) and a summary, and writes bench/results/chaos.json.
 tests/train/test_chaos.py runs ``run_chaos`` with 5 faults per layout.
@@ -45,6 +48,7 @@ BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "mode
         "train.eval_batches=2", "train.keep_last=2", "train.save_interval_minutes=0", "train.export_final=false",
         "parallel.timeout_s=15", "solver.stop_quantile=0.0"]
 PHASES = ("step", "val", "save", "hash")
+DELAY_S = {"step": 0.1, "val": 0.1, "save": 0.3, "hash": 0.1}     # about each phase's length here
 FAULT_LINE = re.compile(r"fault: (SIG\w+) to rank (\d+) \(pid \d+\) at (\w+) of step (\d+)")
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 
@@ -62,9 +66,9 @@ class Launch:
 
 
 def command(nproc: int, out: str, name: str, layout_args: list[str], steps: int, save_interval: int,
-            eval_interval: int) -> list[str]:
+            eval_interval: int, extra: list[str] = ()) -> list[str]:
     from tests.parallel.launch import free_port
-    args = ["launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE, *layout_args,
+    args = ["launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE, *layout_args, *extra,
             f"train.steps={steps}", f"train.save_interval={save_interval}", f"train.eval_interval={eval_interval}",
             f"train.out_dir={out}", f"name={name}"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
@@ -123,7 +127,7 @@ def pick_fault(rng: random.Random, resumed: int, steps: int, save_interval: int,
     phase = rng.choice(phases)
     step = rng.choice(eligible[phase])
     sig = "SIGKILL" if rng.random() < 0.75 else "SIGTERM"
-    return f"{sig}@{phase}:{step}+{rng.uniform(0.0, 0.3):.3f},rank={rng.randrange(nproc)}"
+    return f"{sig}@{phase}:{step}+{rng.uniform(0.0, DELAY_S[phase]):.3f},rank={rng.randrange(nproc)}"
 
 
 def compare(ref: Path, got: Path, steps: int) -> list[str]:
@@ -158,7 +162,7 @@ def compare(ref: Path, got: Path, steps: int) -> list[str]:
 
 
 def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int = 32, save_interval: int = 4,
-              eval_interval: int = 6, timeout: float = 240, log=print) -> dict:
+              eval_interval: int = 6, timeout: float = 240, log=print, extra: list[str] = ()) -> dict:
     """The uninterrupted run and the interrupted one of ``layout``; returns the report (launches,
     problems, times). The caller asserts on ``report["problems"]``."""
     nproc, layout_args = LAYOUTS[layout]
@@ -167,7 +171,7 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
     out_dir = Path(out)
 
     def cmd(name: str) -> list[str]:
-        return command(nproc, str(out_dir), name, layout_args, steps, save_interval, eval_interval)
+        return command(nproc, str(out_dir), name, layout_args, steps, save_interval, eval_interval, list(extra))
 
     code, text, ref_seconds = run_launch(cmd("reference"), None, timeout)
     if code != 0:
@@ -232,6 +236,7 @@ def main() -> int:
     ap.add_argument("--eval-interval", type=int, default=6)
     ap.add_argument("--seed", type=int, default=None, help="default: a new one (printed)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/chaos.json)")
+    ap.add_argument("overrides", nargs="*", help="config overrides for both runs, e.g. train.precision=bf16")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     print(f"seed {seed} (replay: --seed {seed})")
@@ -239,7 +244,7 @@ def main() -> int:
     for layout in args.layouts.split(","):
         with tempfile.TemporaryDirectory(prefix=f"chaos_{layout}_") as tmp:
             report = run_chaos(layout, args.interruptions, seed, tmp, args.steps, args.save_interval,
-                               args.eval_interval, timeout=600)
+                               args.eval_interval, timeout=600, extra=args.overrides)
         reports.append(report)
         print_table([{"launch": i, "fault": x["fault"] or "-", "hit": x["hit"] or "-", "exit": x["exit_code"],
                       "s": x["seconds"], "from": x["resumed_from"], "reached": x["last_step"],
@@ -251,7 +256,7 @@ def main() -> int:
                  for r in reports],
                 ["layout", "interruptions", "fired", "steps_recomputed", "max_recomputed", "reference_s", "chaos_s",
                  "lost_s_per_interruption", "ok"])
-    write_json("chaos", {"seed": seed, "reports": reports}, args.out)
+    write_json("chaos", {"seed": seed, "overrides": args.overrides, "reports": reports}, args.out)
     return 0 if all(not r["problems"] for r in reports) else 1
 
 
