@@ -1,5 +1,6 @@
 """Per layer type at equal width, in fp32 and bf16 side by side (the block cast to bf16, as
-DeepSpeed's bf16 mode does): median solver iterations, forward+backward time per token, bytes
+DeepSpeed's bf16 mode does): median solver iterations (and the implicit backward's adjoint
+iterations), forward+backward time per token, bytes
 saved for backward (ratios to ``attn`` in fp32), and the time of one application of the
 fixed-point map f (forward, no grad, at the solve's z*: the per-iteration cost); and the largest
 micro-batch whose saved activations fit a memory budget, implicit vs unrolled backward, with
@@ -57,8 +58,9 @@ def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dty
 
 
 def run(block, x):
-    """Saved bytes, fwd+bwd seconds, iterations (epsilon: steps run) and the mean expected depth
-    per token (epsilon; else the iterations) of one training step of ``block``."""
+    """Saved bytes, fwd+bwd seconds, iterations (epsilon: steps run), the mean expected depth
+    per token (epsilon; else the iterations) and the adjoint's iterations (implicit backward; else
+    0) of one training step of ``block``."""
     params = tuple(block.parameters())
     xi = x.clone().requires_grad_()
     t0 = time.perf_counter()
@@ -69,7 +71,8 @@ def run(block, x):
     stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
     its = stats[0].iterations if stats else 1
     depth = float(stats[0].expected_depth.mean()) if stats and hasattr(stats[0], "expected_depth") else its
-    return counter.total, elapsed, its, depth
+    adjoint = (stats[0].backward_iterations or 0) if stats and hasattr(stats[0], "backward_iterations") else 0
+    return counter.total, elapsed, its, depth, adjoint
 
 
 def time_f(block, x, repeats: int) -> float | None:
@@ -81,8 +84,8 @@ def time_f(block, x, repeats: int) -> float | None:
     layer, captured = layers[0], {}
     solve = layer.fixed_point
 
-    def spy(f, z0):
-        z = solve(f, z0)
+    def spy(f, z0, real=None):
+        z = solve(f, z0, real)
         captured.update(f=f, z=z.detach())
         return z
 
@@ -114,6 +117,8 @@ def main(argv=None):
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--hqsa-T", type=int, nargs="+", default=[256, 1024, 4096],
                     help="lengths of the HQSA-against-attention timing")
+    ap.add_argument("--compile", action="store_true",
+                    help="solver.compile on every fixed-point layer (torch.compile of one application of f)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -121,7 +126,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.B, args.T, args.d)
-    base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7)
+    base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7,
+                        compile=args.compile)
     rows = []
     for kind in SPECS:
         row = {"layer": kind}
@@ -135,6 +141,7 @@ def main(argv=None):
             row["backward"] = loops[0].backward_mode if loops else "-"
             row[f"iters_{name}"] = statistics.median(r[2] for r in results)
             row[f"depth_{name}"] = statistics.median(r[3] for r in results)
+            row[f"adjoint_{name}"] = statistics.median(r[4] for r in results)
             row[f"saved_MiB_{name}"] = results[0][0] / 2 ** 20
             row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)
             f_time = time_f(block, xd, args.repeats)
@@ -150,7 +157,7 @@ def main(argv=None):
         r[f"f_x_mamba_{first}"] = None if f_us is None else f_us / mamba[f"f_us_per_token_{first}"]
     print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
-    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "saved_MiB", "us_per_token",
+    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "adjoint", "saved_MiB", "us_per_token",
                                                             "f_us_per_token") for n in args.dtypes]
     print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}", f"f_x_mamba_{first}"])
 
