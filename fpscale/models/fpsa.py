@@ -142,9 +142,10 @@ class FPSAttention(FixedPointLayer):
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
+        step = self.compiled(self.step) if past_k is None else self.step     # decoding stays eager
 
         def f(z):
-            return self.step(z, h, w_qk, v_all, cos, sin, scale, past_k, pad)
+            return step(z, h, w_qk, v_all, cos, sin, scale, past_k, pad)
 
         z = self.fixed_point(f, h, real_tokens(pad, pos, h.shape[1]))
         if cache is not None:
