@@ -1,5 +1,6 @@
 """Per layer type at equal width, in fp32 and bf16 side by side (the block cast to bf16, as
-DeepSpeed's bf16 mode does): median solver iterations, forward+backward time per token, bytes
+DeepSpeed's bf16 mode does): median solver iterations (and the implicit backward's adjoint
+iterations), forward+backward time per token, bytes
 saved for backward (ratios to ``attn`` in fp32), and the time of one application of the
 fixed-point map f (forward, no grad, at the solve's z*: the per-iteration cost); and the largest
 micro-batch whose saved activations fit a memory budget, implicit vs unrolled backward, with
@@ -10,6 +11,10 @@ implicit's saved bytes against one differentiable application of f.
 
     python bench/layers.py --threads 1                   # d=256 T=256 B=4 on CPU
     python bench/layers.py --d 768 --T 2048 --B 8        # on a GPU
+
+Timing: every block is built and warmed up, then each repeat runs them all in turn; a ratio
+(time_x_attn, f_x_mamba) is the median over repeats of the ratio of two times taken moments
+apart, so load from other processes that comes and goes mostly cancels.
 
 Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
 they are the same on every device. The micro-batch column extrapolates the bytes measured at
@@ -57,8 +62,9 @@ def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dty
 
 
 def run(block, x):
-    """Saved bytes, fwd+bwd seconds, iterations (epsilon: steps run) and the mean expected depth
-    per token (epsilon; else the iterations) of one training step of ``block``."""
+    """Saved bytes, fwd+bwd seconds, iterations (epsilon: steps run), the mean expected depth
+    per token (epsilon; else the iterations) and the adjoint's iterations (implicit backward; else
+    0) of one training step of ``block``."""
     params = tuple(block.parameters())
     xi = x.clone().requires_grad_()
     t0 = time.perf_counter()
@@ -69,20 +75,21 @@ def run(block, x):
     stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
     its = stats[0].iterations if stats else 1
     depth = float(stats[0].expected_depth.mean()) if stats and hasattr(stats[0], "expected_depth") else its
-    return counter.total, elapsed, its, depth
+    adjoint = (stats[0].backward_iterations or 0) if stats and hasattr(stats[0], "backward_iterations") else 0
+    return counter.total, elapsed, its, depth, adjoint
 
 
-def time_f(block, x, repeats: int) -> float | None:
-    """Seconds of one application of the block's fixed-point map f (forward, no grad), at the z*
-    its solve found; None for a block without one (attn, epsilon)."""
+def capture_f(block, x):
+    """A callable applying the block's fixed-point map f once (no grad) at the z* its solve found
+    from ``x``; None for a block without one (attn, epsilon)."""
     layers = [m for m in block.modules() if isinstance(m, FixedPointLayer)]
     if not layers:
         return None
     layer, captured = layers[0], {}
     solve = layer.fixed_point
 
-    def spy(f, z0):
-        z = solve(f, z0)
+    def spy(f, z0, real=None):
+        z = solve(f, z0, real)
         captured.update(f=f, z=z.detach())
         return z
 
@@ -90,14 +97,19 @@ def time_f(block, x, repeats: int) -> float | None:
     try:
         with torch.no_grad():
             block(x)
-            times = []
-            for _ in range(repeats + 1):    # the first is a warm-up
-                t0 = time.perf_counter()
-                captured["f"](captured["z"])
-                times.append(time.perf_counter() - t0)
     finally:
         del layer.fixed_point
-    return statistics.median(times[1:])
+
+    def apply_f():
+        with torch.no_grad():
+            captured["f"](captured["z"])
+    return apply_f
+
+
+def timed(call) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -106,7 +118,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--T", type=int, default=256)
     ap.add_argument("--B", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-iter", type=int, default=30)
     ap.add_argument("--tol", type=float, default=2e-2,
                     help="tolerance of fpsa and looped (fpmamba keeps its 0.1); default: one bf16 resolves too")
@@ -114,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--hqsa-T", type=int, nargs="+", default=[256, 1024, 4096],
                     help="lengths of the HQSA-against-attention timing")
+    ap.add_argument("--compile", action="store_true",
+                    help="solver.compile on every fixed-point layer (torch.compile of one application of f)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -121,36 +135,50 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.B, args.T, args.d)
-    base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7)
+    base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7,
+                        compile=args.compile)
+    # every block is built and warmed up first, then the repeats go round all of them, so each
+    # ratio to attn (or mamba) is a median over repeats of times taken moments apart
+    keys = [(kind, name) for kind in SPECS for name in args.dtypes]
+    blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]]).train() for key in keys}
+    inputs = {name: x.to(DTYPES[name]) for name in args.dtypes}
+    for (kind, name), block in blocks.items():
+        run(block, inputs[name])                                           # warm-up
+    results = {key: [] for key in keys}
+    for _ in range(args.repeats):
+        for (kind, name), block in blocks.items():
+            results[kind, name].append(run(block, inputs[name]))
+    f_calls = {key: capture_f(block, inputs[key[1]]) for key, block in blocks.items()}
+    f_times = {key: [] for key, call in f_calls.items() if call is not None}
+    for key in f_times:
+        f_calls[key]()                                                     # warm-up
+    for _ in range(args.repeats):
+        for key in f_times:
+            f_times[key].append(timed(f_calls[key]))
+    first = args.dtypes[0]
     rows = []
     for kind in SPECS:
         row = {"layer": kind}
+        loops = [m for m in blocks[kind, first].modules() if isinstance(m, LoopedLayer)]
+        row["backward"] = loops[0].backward_mode if loops else "-"
         for name in args.dtypes:
-            block = build_block(kind, args.d, args.heads, args.T, base, DTYPES[name])
-            block.train()
-            xd = x.to(DTYPES[name])
-            run(block, xd)                                                     # warm-up
-            results = [run(block, xd) for _ in range(args.repeats)]
-            loops = [m for m in block.modules() if isinstance(m, LoopedLayer)]
-            row["backward"] = loops[0].backward_mode if loops else "-"
-            row[f"iters_{name}"] = statistics.median(r[2] for r in results)
-            row[f"depth_{name}"] = statistics.median(r[3] for r in results)
-            row[f"saved_MiB_{name}"] = results[0][0] / 2 ** 20
-            row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in results) / (args.B * args.T)
-            f_time = time_f(block, xd, args.repeats)
+            res = results[kind, name]
+            row[f"iters_{name}"] = statistics.median(r[2] for r in res)
+            row[f"depth_{name}"] = statistics.median(r[3] for r in res)
+            row[f"adjoint_{name}"] = statistics.median(r[4] for r in res)
+            row[f"saved_MiB_{name}"] = res[0][0] / 2 ** 20
+            row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in res) / (args.B * args.T)
+            f_time = statistics.median(f_times[kind, name]) if (kind, name) in f_times else None
             row[f"f_us_per_token_{name}"] = None if f_time is None else 1e6 * f_time / (args.B * args.T)
+        row[f"saved_x_attn_{first}"] = row[f"saved_MiB_{first}"] / (results["attn", first][0][0] / 2 ** 20)
+        row[f"time_x_attn_{first}"] = statistics.median(
+            r[1] / a[1] for r, a in zip(results[kind, first], results["attn", first]))
+        row[f"f_x_mamba_{first}"] = statistics.median(
+            t / m for t, m in zip(f_times[kind, first], f_times["mamba", first])) if (kind, first) in f_times else None
         rows.append(row)
-    ref = rows[0]
-    first = args.dtypes[0]
-    mamba = next(r for r in rows if r["layer"] == "mamba")
-    for r in rows:
-        r[f"saved_x_attn_{first}"] = r[f"saved_MiB_{first}"] / ref[f"saved_MiB_{first}"]
-        r[f"time_x_attn_{first}"] = r[f"us_per_token_{first}"] / ref[f"us_per_token_{first}"]
-        f_us = r[f"f_us_per_token_{first}"]
-        r[f"f_x_mamba_{first}"] = None if f_us is None else f_us / mamba[f"f_us_per_token_{first}"]
     print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
-    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "saved_MiB", "us_per_token",
+    columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "adjoint", "saved_MiB", "us_per_token",
                                                             "f_us_per_token") for n in args.dtypes]
     print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}", f"f_x_mamba_{first}"])
 

@@ -69,6 +69,12 @@ class FPSASpec(FixedPointSpec):
         return static, 2 * 3 * d * d + attention_score_flops(d, seq_len)
 
 
+def token_major(table: torch.Tensor) -> torch.Tensor:
+    """A rope table of ``rope_span`` ([T, dh/2], or [B, 1, T, dh/2] with padding) laid out to
+    rotate [B, T, H, dh]: [T, 1, dh/2], or [B, T, 1, dh/2]."""
+    return table.unsqueeze(-2) if table.dim() == 2 else table.transpose(1, 2)
+
+
 class FPSAttention(FixedPointLayer):
     def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
                  solver, spectral_norm: bool = True, temperature: bool = True, power_iters: int = 1,
@@ -108,36 +114,53 @@ class FPSAttention(FixedPointLayer):
         return (spectral_normalize(self.w_q, self.u_q, self.power_iters, update, total),
                 spectral_normalize(self.w_k, self.u_k, self.power_iters, update, total))
 
+    def qk_weight(self) -> tuple[torch.Tensor, float]:
+        """[W_Q~; W_K~] stacked, so each iteration projects queries and keys in one product, and
+        the logit scale left to the attention. With ``temperature`` each head's tau_h / sqrt(d_h)
+        multiplies its rows of W_Q~ here, once per forward, instead of q in every iteration
+        (rope is linear, so rope(q) tau_h = rope(q tau_h)); the attention's own scale is then 1."""
+        wq, wk = self.qk_weights()
+        scale = self.head_dim ** -0.5
+        if self.log_temp is not None:      # one temperature per (local) head
+            rows = (self.log_temp.exp() * scale).repeat_interleave(self.head_dim)
+            wq, scale = wq * rows[:, None].to(wq.dtype), 1.0
+        return torch.cat([wq, wk]), scale
+
+    def queries_and_keys(self, z, h, w_qk, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q_k, K_k [B, H, T, dh] of the iterate z: the normalisation step N(h + z) (what Q and K
+        see of the iterate), one product with [W_Q~; W_K~], rope on both at once. Rope rotates the
+        product as it lies, [B, T, 2H, dh] (``cos``, ``sin`` from ``token_major``), and the heads
+        are then a transposed view: the values of rope on the [B, 2H, T, dh] view, without writing
+        its result across the strided layout (the block's training step: 0.98x on a CPU)."""
+        zn = self.shards.enter(rms_norm(h + z, None, self.norm_eps))
+        qk = linear(zn, w_qk)
+        qk = apply_rope(qk.view(*qk.shape[:-1], -1, self.head_dim), cos, sin).transpose(1, 2)   # [B, 2H, T, dh]
+        return qk.chunk(2, dim=1)
+
+    def step(self, z, h, w_qk, v, cos, sin, scale: float, past_k=None, pad=None) -> torch.Tensor:
+        """One application of f: Z_k -> Z_{k+1} (``v``: past and new values; ``past_k``: the
+        cached keys of earlier tokens, or None)."""
+        q, k = self.queries_and_keys(z, h, w_qk, cos, sin)
+        k_all = k if past_k is None else torch.cat([past_k, k], 2)
+        return self.shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v, scale, pad=pad)), self.w_o))
+
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
-        wq, wk = self.qk_weights()
-        shards = self.shards                # under TP: this rank's heads; z stays whole
-        v = split_heads(F.linear(shards.enter(h), self.w_v), self.head_dim)
+        w_qk, scale = self.qk_weight()     # under TP: this rank's heads; z stays whole
+        v = split_heads(F.linear(self.shards.enter(h), self.w_v), self.head_dim)
         past_k = cache.get("k") if cache is not None else None
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
-        cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
-        scale = self.head_dim ** -0.5
-        if self.log_temp is not None:      # one temperature per (local) head
-            scale = self.log_temp.exp() * scale
-
-        def read(z):                       # the normalisation step: what Q and K see of the iterate
-            return shards.enter(rms_norm(h + z, None, self.norm_eps))
-
-        def keys(zn):
-            return apply_rope(split_heads(linear(zn, wk), self.head_dim), cos, sin)
+        cos, sin = (token_major(t) for t in rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad))
+        step = self.compiled(self.step) if past_k is None else self.step     # decoding stays eager
 
         def f(z):
-            zn = read(z)
-            q = apply_rope(split_heads(linear(zn, wq), self.head_dim), cos, sin)
-            k = keys(zn)
-            k_all = k if past_k is None else torch.cat([past_k, k], 2)
-            return shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v_all, scale, pad=pad)), self.w_o))
+            return step(z, h, w_qk, v_all, cos, sin, scale, past_k, pad)
 
         z = self.fixed_point(f, h, real_tokens(pad, pos, h.shape[1]))
         if cache is not None:
             with torch.no_grad():
-                k_new = keys(read(z.detach()))
+                k_new = self.queries_and_keys(z.detach(), h, w_qk, cos, sin)[1].contiguous()   # not a view of Q too
             cache["k"] = k_new if past_k is None else torch.cat([past_k, k_new], 2)
             cache["v"] = v_all.detach()
         return z.to(h.dtype)
