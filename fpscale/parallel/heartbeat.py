@@ -18,9 +18,10 @@ store that stops answering means its host is gone: rank 0's process (bare ``srun
 so a vanished rank is named well within the collective timeout.
 
 When the main thread fails on its own first (gloo's connection error comes at once), ``settle``
-lets the watcher decide before the traceback: fpscale.cli.reported calls it for every
-unexpected exception. Cost: one store ``add`` and one read of ``world`` counters per rank per
-``interval_s`` (64 ranks at 2 s: 2,000 store operations per second in all).
+lets the watcher decide before the traceback, with a counter still for 4 beats as enough
+evidence: fpscale.cli.reported calls it for every unexpected exception. Cost: one store ``add``
+and one read of ``world`` counters per rank per ``interval_s`` (64 ranks at 2 s: 2,000 store
+operations per second in all).
 """
 from __future__ import annotations
 
@@ -140,8 +141,10 @@ def settle(exc: BaseException) -> None:
     if beat is None or not beat.watching.is_set():
         return
     # a peer that died a moment ago still looks fresh: wait until every counter has moved twice
-    # (all alive: the exception is not about a lost peer) or the watcher names one
+    # (all alive: the exception is not about a lost peer) or the watcher names one. A collective
+    # has failed, so a counter that stands still for 4 beats is enough evidence
     beat.main_reports.set()
+    beat.grace_s = min(beat.grace_s, 4 * beat.interval_s)
     deadline = time.monotonic() + beat.grace_s + 2 * beat.interval_s
     start = {r: v for r, (v, _) in beat.seen.items()}
     while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fpscale.errors import LayoutError
 from tests.parallel.device_check import OffDeviceCollective, checked_collectives, unnamed_device_is_meta
 
 
@@ -44,7 +45,7 @@ def test_a_rank_without_a_gpu_of_its_own_is_an_error(monkeypatch):
     from fpscale.parallel.state import compute_device
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    with pytest.raises(RuntimeError, match=r"LOCAL_RANK 3 but this process sees 2 GPUs \(CUDA_VISIBLE_DEVICES=0,1\)"):
+    with pytest.raises(LayoutError, match=r"LOCAL_RANK 3 but this process sees 2 GPUs \(CUDA_VISIBLE_DEVICES=0,1\)"):
         compute_device(3)
 
 
