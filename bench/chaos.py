@@ -28,6 +28,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,11 @@ def records(run_dir: Path, kind: str) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r["kind"] == kind}
 
 
+def metrics_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "metrics.jsonl"
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def bad_checkpoints(run_dir: Path) -> list[str]:
     from fpscale.train.checkpoint import published, verify
     return [f"{folder}: {problem}" for folder in published(str(run_dir / "checkpoints"))
@@ -182,9 +188,18 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
     problems: list[str] = []
     for i in range(interruptions + 1):
         fault = pick_fault(rng, resumed, steps, save_interval, eval_interval, nproc) if i < interruptions else None
+        before, expected = len(metrics_lines(run_dir)), _newest_step(run_dir)
         code, text, seconds = run_launch(cmd("chaos"), fault, timeout)
+        (out_dir / f"launch_{i}.log").write_text(text)        # what each launch printed, kept with the run
         m = RESUMED.search(text)
         start = int(m.group(2)) if m else 0
+        new = [r["step"] for r in map(json.loads, metrics_lines(run_dir)[before:]) if r["kind"] == "train"]
+        if new and new[0] - 1 != start:          # the first step this launch logged says where it began
+            problems.append(f"launch {i} printed that it resumed from step {start} but trained step {new[0]} "
+                            f"first (log: {out_dir / f'launch_{i}.log'})")
+        if start != expected:                    # resume: auto takes the newest complete checkpoint
+            problems.append(f"launch {i} resumed from step {start}, but the newest complete checkpoint was "
+                            f"step {expected} (log: {out_dir / f'launch_{i}.log'})")
         if launches:
             launches[-1].recomputed = launches[-1].last_step - start
         hit = FAULT_LINE.search(text)
@@ -202,7 +217,7 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
             break
         if code == 0 and launch.last_step >= steps:
             break                                     # the fault landed after the end: nothing to resume
-        resumed = max(start, _newest_step(run_dir))
+        resumed = _newest_step(run_dir)
     for i, launch in enumerate(launches[:-1]):
         if launch.recomputed > save_interval:
             problems.append(f"launch {i + 1} recomputed {launch.recomputed} steps, more than train.save_interval = "
@@ -242,9 +257,13 @@ def main() -> int:
     print(f"seed {seed} (replay: --seed {seed})")
     reports = []
     for layout in args.layouts.split(","):
-        with tempfile.TemporaryDirectory(prefix=f"chaos_{layout}_") as tmp:
-            report = run_chaos(layout, args.interruptions, seed, tmp, args.steps, args.save_interval,
-                               args.eval_interval, timeout=600, extra=args.overrides)
+        tmp = tempfile.mkdtemp(prefix=f"chaos_{layout}_")
+        report = run_chaos(layout, args.interruptions, seed, tmp, args.steps, args.save_interval,
+                           args.eval_interval, timeout=600, extra=args.overrides)
+        if report["problems"]:
+            print(f"kept {tmp} (each launch's output: launch_N.log)")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         reports.append(report)
         print_table([{"launch": i, "fault": x["fault"] or "-", "hit": x["hit"] or "-", "exit": x["exit_code"],
                       "s": x["seconds"], "from": x["resumed_from"], "reached": x["last_step"],
