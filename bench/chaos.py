@@ -191,10 +191,13 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
         before, expected = len(metrics_lines(run_dir)), _newest_step(run_dir)
         code, text, seconds = run_launch(cmd("chaos"), fault, timeout)
         (out_dir / f"launch_{i}.log").write_text(text)        # what each launch printed, kept with the run
+        # where the launch began: rank 0's "resumed from" line, else the first step it logged; when rank 0
+        # was killed before either (the launcher ends every rank once one dies, and a rank still
+        # loading the checkpoint dies of its SIGTERM), there is no evidence and ``expected`` stands
         m = RESUMED.search(text)
-        start = int(m.group(2)) if m else 0
         new = [r["step"] for r in map(json.loads, metrics_lines(run_dir)[before:]) if r["kind"] == "train"]
-        if new and new[0] - 1 != start:          # the first step this launch logged says where it began
+        start = int(m.group(2)) if m else new[0] - 1 if new else expected
+        if m and new and new[0] - 1 != start:      # the first step this launch logged says where it began
             problems.append(f"launch {i} printed that it resumed from step {start} but trained step {new[0]} "
                             f"first (log: {out_dir / f'launch_{i}.log'})")
         if start != expected:                    # resume: auto takes the newest complete checkpoint
@@ -204,8 +207,7 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
             launches[-1].recomputed = launches[-1].last_step - start
         hit = FAULT_LINE.search(text)
         where = f"{hit.group(1)} rank {hit.group(2)} at {hit.group(3)} of step {hit.group(4)}" if hit else None
-        train = records(run_dir, "train")
-        launch = Launch(fault, where, code, seconds, start, max(train) if train else 0,
+        launch = Launch(fault, where, code, seconds, start, max(new) if new else start,
                         bad_checkpoints=bad_checkpoints(run_dir))
         launches.append(launch)
         log(f"  launch {i}: fault {fault or '-'} -> {where or 'none fired'}; exit {code}, {seconds:.1f} s, "
