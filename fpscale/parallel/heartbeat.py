@@ -130,6 +130,10 @@ class Heartbeat:
         if self.main_reports.is_set():
             return
         print(f"error: {why}", file=sys.stderr, flush=True)
+        try:
+            sys.stdout.flush()                    # os._exit skips it: keep what the run printed
+        except Exception:
+            pass
         os._exit(EXIT_PEER_LOST)
 
 
