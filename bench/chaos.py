@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,34 +74,17 @@ def command(nproc: int, out: str, name: str, layout_args: list[str], steps: int,
 
 
 def run_launch(cmd: list[str], fault: str | None, timeout: float) -> tuple[int, str, float]:
-    """Run one launch in its own process group; a launch past ``timeout`` is killed and fails."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env.pop("FPSCALE_FAULT", None)
-    if fault:
-        env["FPSCALE_FAULT"] = fault
+    """(exit code, output, seconds) of one launch with ``fault`` (none: FPSCALE_FAULT empty), in its
+    own process group; a launch past ``timeout`` is killed and fails."""
+    from tests.parallel.launch import run
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"a launch (fault {fault}) did not end within {timeout} s:\n{out[-3000:]}")
-    finally:
-        try:                                   # nothing outlives a launch
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out, time.perf_counter() - t0
+    proc = run(cmd, timeout, env={"FPSCALE_FAULT": fault or ""}, check=False)
+    return proc.returncode, proc.stdout, time.perf_counter() - t0
 
 
 def records(run_dir: Path, kind: str) -> dict[int, dict]:
     """The last record of each step in metrics.jsonl (a resumed run appends)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = map(json.loads, metrics_lines(run_dir))
     return {r["step"]: r for r in rows if r["kind"] == kind}
 
 
