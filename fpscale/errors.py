@@ -18,6 +18,7 @@ EXIT_INTERNAL = 1
 EXIT_USER = 2
 EXIT_PEER_LOST = 69        # sysexits EX_UNAVAILABLE
 EXIT_STORAGE = 74          # sysexits EX_IOERR
+EXIT_PREEMPTED = 75        # sysexits EX_TEMPFAIL: saved, run the same command again
 
 
 class ReportedError(Exception):

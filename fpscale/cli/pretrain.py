@@ -23,6 +23,7 @@ import sys
 
 from fpscale.cli import reported
 from fpscale.config import load_config
+from fpscale.errors import EXIT_PREEMPTED
 
 
 @reported
@@ -33,7 +34,6 @@ def main(argv=None) -> int:
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)   # set by deepspeed
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    from fpscale.train.signals import EXIT_PREEMPTED
     from fpscale.train.trainer import Trainer
     trainer = Trainer(cfg)
     if trainer.state.is_main:

@@ -8,7 +8,7 @@
 
 SIGTERM or SIGUSR1 on any rank asks for a checkpoint at the next step boundary, then an exit.
 SLURM sends SIGUSR1 ahead of the time limit (``--signal=USR1@120``) and SIGTERM on preemption or
-``scancel``; either way the run saves and exits with ``EXIT_PREEMPTED`` = 75 (sysexits'
+``scancel``; either way the run saves and exits with ``fpscale.errors.EXIT_PREEMPTED`` = 75 (sysexits'
 EX_TEMPFAIL: "try again later"), which a job script can requeue on. An uncatchable end (SIGKILL,
 a node that dies) saves nothing: the save timer (``train.save_interval_minutes``, read on rank 0's
 clock, as Huginn and Parcae save) and ``train.save_interval`` bound what it loses.
@@ -20,8 +20,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
-EXIT_PREEMPTED = 75
 
 
 class StepBoundary:
