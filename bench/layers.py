@@ -4,7 +4,11 @@ iterations), forward+backward time per token, bytes
 saved for backward (ratios to ``attn`` in fp32), and the time of one application of the
 fixed-point map f (forward, no grad, at the solve's z*: the per-iteration cost); and the largest
 micro-batch whose saved activations fit a memory budget, implicit vs unrolled backward, with
-implicit's saved bytes against one differentiable application of f.
+implicit's saved bytes against one differentiable application of f; and seed 000's own measure,
+inference: each block in eval mode without grad, its iterations there, forward FLOPs per token
+(``LayerSpec.flops``: static + per-iteration x iterations) and latency per token, as ratios to
+attn (seed 000: FPSA at 3-6 iterations costs about 1.6x BERT-Base's GFLOPs and 1.3-1.4x its
+latency, on an A100 at batch 64).
 
 ``mamba`` is the plain-Mamba reference: fpmamba with mixer none, no y feedback, one iteration
 (unrolled), i.e. conv -> SiLU -> selective scan -> gate -> norm, run once.
@@ -55,10 +59,19 @@ SPECS = {
 }
 
 
+def block_config(kind: str, d: int, heads: int, T: int) -> ModelConfig:
+    return ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[layer_spec(**SPECS[kind])])
+
+
 def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dtype=torch.float32):
-    cfg = ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[layer_spec(**SPECS[kind])])
     torch.manual_seed(0)
-    return LoopedLM(cfg, solver).layers[0].to(dtype)
+    return LoopedLM(block_config(kind, d, heads, T), solver).layers[0].to(dtype)
+
+
+def iterations(block) -> int:
+    """Iterations of the block's last forward (epsilon: steps run; 1 for a block without a solve)."""
+    stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
+    return stats[0].iterations if stats else 1
 
 
 def run(block, x):
@@ -73,7 +86,7 @@ def run(block, x):
     out.float().pow(2).mean().backward()
     elapsed = time.perf_counter() - t0
     stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
-    its = stats[0].iterations if stats else 1
+    its = iterations(block)
     depth = float(stats[0].expected_depth.mean()) if stats and hasattr(stats[0], "expected_depth") else its
     adjoint = (stats[0].backward_iterations or 0) if stats and hasattr(stats[0], "backward_iterations") else 0
     return counter.total, elapsed, its, depth, adjoint
@@ -206,9 +219,40 @@ def main(argv=None):
     print(f"\nlargest micro-batch whose saved activations fit {args.budget_gib} GiB (16 iterations, T={args.T}); "
           f"'one f': the block with one differentiable application of f")
     print_table(fit_rows, ["layer", "backward", "MiB_per_sample", "max_micro_batch", "gain_x", "saved_x_one_f"])
+    inference_rows = inference(args, {kind: blocks[kind, first] for kind in SPECS}, inputs[first])
     hqsa_rows = hqsa_against_attention(args)
     write_json("layers", {"args": vars(args), "layer_rows": rows, "micro_batch_rows": fit_rows,
-                          "hqsa_rows": hqsa_rows}, args.out)
+                          "inference_rows": inference_rows, "hqsa_rows": hqsa_rows}, args.out)
+
+
+def inference(args, blocks: dict, x: torch.Tensor) -> list[dict]:
+    """Seed 000's measure: forward FLOPs and latency per token in eval mode without grad, at the
+    iterations each block takes there, as ratios to attn (latency: median over repeats of the
+    ratio of times taken moments apart)."""
+    for block in blocks.values():
+        block.eval()
+    times: dict[str, list[float]] = {kind: [] for kind in blocks}
+    its: dict[str, list[int]] = {kind: [] for kind in blocks}
+    with torch.no_grad():
+        for block in blocks.values():
+            block(x)                                                       # warm-up
+        for _ in range(args.repeats):
+            for kind, block in blocks.items():
+                times[kind].append(timed(lambda: block(x)))
+                its[kind].append(iterations(block))
+    rows = []
+    for kind in blocks:
+        k = statistics.median(its[kind])
+        static, per_iter = layer_spec(**SPECS[kind]).flops(block_config(kind, args.d, args.heads, args.T), args.T)
+        rows.append({"layer": kind, "iters": k, "MFLOP_per_token": (static + per_iter * k) / 1e6,
+                     "us_per_token": 1e6 * statistics.median(times[kind]) / x.shape[0] / x.shape[1]})
+    for row in rows:
+        row["flops_x_attn"] = row["MFLOP_per_token"] / rows[0]["MFLOP_per_token"]
+        row["latency_x_attn"] = statistics.median(t / a for t, a in zip(times[row["layer"]], times["attn"]))
+    print(f"\ninference (eval, no grad; {x.dtype}): seed 000 reports FPSA at 3-6 iterations at about 1.6x "
+          "BERT-Base's GFLOPs and 1.3-1.4x its latency (A100, batch 64)")
+    print_table(rows, ["layer", "iters", "MFLOP_per_token", "flops_x_attn", "us_per_token", "latency_x_attn"])
+    return rows
 
 
 def hqsa_against_attention(args) -> list[dict]:

@@ -99,7 +99,7 @@ class _SelectiveScan(torch.autograd.Function):
         ys = []
         for l in range(L):
             h = _step(h, _decay(dtc, l, A2), wc, Bc, l)
-            ys.append((h * Cc[:, :, l, :, None]).sum(-2))
+            ys.append(torch.matmul(Cc[:, :, l, None, :], h).squeeze(-2))       # sum over n
         y = torch.stack(ys, 2).flatten(1, 2)[:, :T]
         ctx.chunk, ctx.has_h0 = L, h0 is not None
         ctx.save_for_backward(x, dt, A, B, C, starts)
@@ -143,7 +143,7 @@ class _SelectiveScan(torch.autograd.Function):
         lam = mu
         for l in reversed(range(L)):
             lam = lam.addcmul_(Cc[:, :, l, :, None], gyc[:, :, l, None, :])
-            g_w[:, :, l] = (lam * Bc[:, :, l, :, None]).sum(-2)
+            g_w[:, :, l] = torch.matmul(Bc[:, :, l, None, :], lam).squeeze(-2)
             g_B[:, :, l] = (lam * wc[:, :, l, None, :]).sum(-1)
             g_C[:, :, l] = (H[:, :, l] * gyc[:, :, l, None, :]).sum(-1)
             lam = lam.mul_(decays[:, :, l])
