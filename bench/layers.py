@@ -14,7 +14,7 @@ latency, on an A100 at batch 64).
 (unrolled), i.e. conv -> SiLU -> selective scan -> gate -> norm, run once.
 
     python bench/layers.py --threads 1                   # d=256 T=256 B=4 on CPU
-    python bench/layers.py --d 768 --T 2048 --B 8        # on a GPU
+    python bench/layers.py --d 768 --T 2048 --B 8        # on a GPU (--device: cuda when there is one)
 
 Timing: every block is built and warmed up, then each repeat runs them all in turn; a ratio
 (time_x_attn, f_x_mamba) is the median over repeats of the ratio of two times taken moments
@@ -23,8 +23,9 @@ apart, so load from other processes that comes and goes mostly cancels.
 Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
 they are the same on every device. The micro-batch column extrapolates the bytes measured at
 B and 2B (saved bytes are affine in B) to the budget. In bf16 the solver keeps its iterate in
-fp32 and raises a tolerance below bf16's floor to the floor (fpscale.solvers.precision); on a
-CPU bf16 products are slower than fp32 ones, so only the iteration and byte columns carry over.
+fp32 and raises a tolerance below bf16's floor to the floor (fpscale.solvers.precision). On a GPU
+every time is taken between two ``torch.cuda.synchronize()``, and attention inside the blocks runs
+on flash-attn in bf16 when it is installed (``FPSCALE_FLASH_ATTN``), as in training.
 """
 from __future__ import annotations
 
@@ -63,9 +64,17 @@ def block_config(kind: str, d: int, heads: int, T: int) -> ModelConfig:
     return ModelConfig(vocab_size=16, d_model=d, n_heads=heads, max_seq_len=T, layers=[layer_spec(**SPECS[kind])])
 
 
-def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dtype=torch.float32):
+def build_block(kind: str, d: int, heads: int, T: int, solver: SolverConfig, dtype=torch.float32,
+                device: str | torch.device = "cpu"):
     torch.manual_seed(0)
-    return LoopedLM(block_config(kind, d, heads, T), solver).layers[0].to(dtype)
+    return LoopedLM(block_config(kind, d, heads, T), solver).layers[0].to(device=device, dtype=dtype)
+
+
+def clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def iterations(block) -> int:
@@ -80,11 +89,11 @@ def run(block, x):
     0) of one training step of ``block``."""
     params = tuple(block.parameters())
     xi = x.clone().requires_grad_()
-    t0 = time.perf_counter()
+    t0 = clock(x.device)
     with count_saved_bytes(exclude=(xi, *params)) as counter:
         out = block(xi)
     out.float().pow(2).mean().backward()
-    elapsed = time.perf_counter() - t0
+    elapsed = clock(x.device) - t0
     stats = [m.last_stats for m in block.modules() if getattr(m, "last_stats", None) is not None]
     its = iterations(block)
     depth = float(stats[0].expected_depth.mean()) if stats and hasattr(stats[0], "expected_depth") else its
@@ -119,10 +128,10 @@ def capture_f(block, x):
     return apply_f
 
 
-def timed(call) -> float:
-    t0 = time.perf_counter()
+def timed(call, device: torch.device) -> float:
+    t0 = clock(device)
     call()
-    return time.perf_counter() - t0
+    return clock(device) - t0
 
 
 def main(argv=None):
@@ -142,18 +151,20 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="solver.compile on every fixed-point layer (torch.compile of one application of f)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    x = torch.randn(args.B, args.T, args.d)
+    x = torch.randn(args.B, args.T, args.d).to(device)
     base = SolverConfig(max_iter=args.max_iter, tol=args.tol, stop_quantile=0.0, patience=5, decay=0.7,
                         compile=args.compile)
     # every block is built and warmed up first, then the repeats go round all of them, so each
     # ratio to attn (or mamba) is a median over repeats of times taken moments apart
     keys = [(kind, name) for kind in SPECS for name in args.dtypes]
-    blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]]).train() for key in keys}
+    blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]], device).train() for key in keys}
     inputs = {name: x.to(DTYPES[name]) for name in args.dtypes}
     for (kind, name), block in blocks.items():
         run(block, inputs[name])                                           # warm-up
@@ -167,7 +178,7 @@ def main(argv=None):
         f_calls[key]()                                                     # warm-up
     for _ in range(args.repeats):
         for key in f_times:
-            f_times[key].append(timed(f_calls[key]))
+            f_times[key].append(timed(f_calls[key], device))
     first = args.dtypes[0]
     rows = []
     for kind in SPECS:
@@ -189,7 +200,7 @@ def main(argv=None):
         row[f"f_x_mamba_{first}"] = statistics.median(
             t / m for t, m in zip(f_times[kind, first], f_times["mamba", first])) if (kind, first) in f_times else None
         rows.append(row)
-    print(f"layer types at equal width d={args.d} T={args.T} B={args.B} (training step, tol {args.tol} "
+    print(f"layer types at equal width d={args.d} T={args.T} B={args.B} on {device} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
     columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "adjoint", "saved_MiB", "us_per_token",
                                                             "f_us_per_token") for n in args.dtypes]
@@ -203,7 +214,7 @@ def main(argv=None):
             cfg = SolverConfig(max_iter=1 if mode == "one f" else 16, tol=0.0, patience=0,
                                backward="unroll" if mode == "one f" else mode, backward_max_iter=8,
                                mask_unconverged=False)
-            block = build_block(kind, args.d, args.heads, args.T, cfg)
+            block = build_block(kind, args.d, args.heads, args.T, cfg, device=device)
             for m in block.modules():           # the layer's own overrides must not mask the mode
                 if hasattr(m, "solver") and hasattr(m, "last_stats"):
                     m.solver = cfg
@@ -238,7 +249,7 @@ def inference(args, blocks: dict, x: torch.Tensor) -> list[dict]:
             block(x)                                                       # warm-up
         for _ in range(args.repeats):
             for kind, block in blocks.items():
-                times[kind].append(timed(lambda: block(x)))
+                times[kind].append(timed(lambda: block(x), x.device))
                 its[kind].append(iterations(block))
     rows = []
     for kind in blocks:
@@ -261,17 +272,19 @@ def hqsa_against_attention(args) -> list[dict]:
     linear in T, attention quadratic (seed 003's sub-quadratic claim)."""
     rows = []
     dh, H = args.d // args.heads, args.heads
+    device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    w_bin, protos, log_tau = torch.randn(8, dh, generator=g), torch.randn(H, 16, 8, generator=g), torch.zeros(H)
+    w_bin, protos, log_tau = (t.to(device) for t in (torch.randn(8, dh, generator=g), torch.randn(H, 16, 8, generator=g),
+                                                      torch.zeros(H)))
     for T in args.hqsa_T:
-        q, k, v = (torch.randn(1, H, T, dh, generator=g).requires_grad_() for _ in range(3))
+        q, k, v = (torch.randn(1, H, T, dh, generator=g).to(device).requires_grad_() for _ in range(3))
 
         def timed(fn):
             times = []
             for _ in range(args.repeats + 1):              # the first is a warm-up
-                t0 = time.perf_counter()
+                t0 = clock(device)
                 fn().float().pow(2).mean().backward()
-                times.append(time.perf_counter() - t0)
+                times.append(clock(device) - t0)
             return 1e6 * statistics.median(times[1:]) / T
 
         hqsa = timed(lambda: causal_hqsa(q, k, v, bin_assignment(k, w_bin, protos, log_tau))[0])

@@ -1,0 +1,78 @@
+"""The GPU kernels against fpscale's PyTorch paths, on the device (skipped without CUDA, and each
+kernel's test without its package): mamba-ssm's ``selective_scan_fn`` against the chunked scan,
+flash-attn inside FPSA's fixed-point map and the looped core against SDPA, forward and backward.
+On CPU the dispatch is tested with stand-in kernels (test_scan_kernels.py, test_flash_attn.py);
+these are the checks a machine with a GPU runs:
+
+    python -m pytest tests/models/test_kernels_on_device.py -v
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fpscale.models import common, scan_kernels
+from fpscale.models.scan import selective_scan
+from tests.models.helpers import tiny_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def needs(kernel, error, package: str) -> None:
+    if error is not None:
+        raise error                       # installed but broken: a failure, not a skip
+    if kernel is None:
+        pytest.skip(f"{package} is not installed")
+
+
+@cuda
+@pytest.mark.parametrize("T", [64, 333])
+def test_mamba_ssm_scan_matches_the_pytorch_scan(T, monkeypatch):
+    needs(scan_kernels.MAMBA_SCAN, scan_kernels.MAMBA_SCAN_ERROR, "mamba-ssm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, c, n = 2, 96, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    leaves = [rand(B, T, c), F.softplus(rand(B, T, c) - 2), -torch.exp(0.5 * rand(c, n)), rand(B, T, n), rand(B, T, n)]
+    leaves = [t.requires_grad_() for t in leaves]
+    weight = rand(B, T, c)
+    results = {}
+    for mode in ("1", "0"):                 # the kernel, then the PyTorch scan
+        monkeypatch.setenv("FPSCALE_MAMBA_SCAN", mode)
+        y, last = scan_kernels.scan(*leaves)
+        results[mode] = (y, last, torch.autograd.grad((y * weight).sum(), leaves))
+    (y, last, grads), (y_ref, last_ref, grads_ref) = results["1"], results["0"]
+    assert rel_err(y, y_ref) < 1e-4 and rel_err(last, last_ref) < 1e-4
+    for name, a, b in zip(("x", "dt", "A", "B", "C"), grads, grads_ref):
+        assert rel_err(a, b) < 1e-3, name
+    # and the PyTorch scan on the device is the one the CPU tests hold to the float64 reference
+    y_cpu, _ = selective_scan(*(t.detach().double().cpu() for t in leaves))
+    assert rel_err(y_ref.cpu(), y_cpu) < 1e-5
+
+
+@cuda
+@pytest.mark.parametrize("layer_type", ["fpsa", "looped", "attn"])
+def test_flash_attn_inside_a_layer_matches_sdpa_in_bf16(layer_type, monkeypatch):
+    """The same iterations (tol 0) with flash-attn and with SDPA: outputs and parameter gradients
+    agree to bf16's resolution."""
+    needs(common.FLASH_ATTN, common.FLASH_ATTN_ERROR, "flash-attn")
+    x = torch.randn(2, 128, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    results = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FPSCALE_FLASH_ATTN", mode)
+        model = tiny_model(layer_type, d=64, solver={"tol": 0.0, "patience": 0, "max_iter": 4, "eval_max_iter": 4},
+                           dtype=torch.bfloat16).cuda()
+        block = model.layers[0]
+        out = block(x.bfloat16())
+        out.float().pow(2).mean().backward()
+        results[mode] = (out, {k: p.grad for k, p in block.named_parameters() if p.grad is not None})
+    (out, grads), (out_ref, grads_ref) = results["1"], results["0"]
+    assert rel_err(out, out_ref) < 2e-2
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        assert rel_err(grads[name], grads_ref[name]) < 5e-2, name
