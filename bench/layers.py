@@ -1,7 +1,7 @@
 """Per layer type at equal width, in fp32 and bf16 side by side (the block cast to bf16, as
 DeepSpeed's bf16 mode does): median solver iterations (and the implicit backward's adjoint
 iterations), forward+backward time per token, bytes
-saved for backward (ratios to ``attn`` in fp32), and the time of one application of the
+saved for backward (ratios to ``attn`` in the same precision), and the time of one application of the
 fixed-point map f (forward, no grad, at the solve's z*: the per-iteration cost); and the largest
 micro-batch whose saved activations fit a memory budget, implicit vs unrolled backward, with
 implicit's saved bytes against one differentiable application of f; and seed 000's own measure,
@@ -194,17 +194,18 @@ def main(argv=None):
             row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in res) / (args.B * args.T)
             f_time = statistics.median(f_times[kind, name]) if (kind, name) in f_times else None
             row[f"f_us_per_token_{name}"] = None if f_time is None else 1e6 * f_time / (args.B * args.T)
-        row[f"saved_x_attn_{first}"] = row[f"saved_MiB_{first}"] / (results["attn", first][0][0] / 2 ** 20)
-        row[f"time_x_attn_{first}"] = statistics.median(
-            r[1] / a[1] for r, a in zip(results[kind, first], results["attn", first]))
-        row[f"f_x_mamba_{first}"] = statistics.median(
-            t / m for t, m in zip(f_times[kind, first], f_times["mamba", first])) if (kind, first) in f_times else None
+        for name in args.dtypes:           # ratios within one precision: attn and mamba in that precision
+            row[f"saved_x_attn_{name}"] = row[f"saved_MiB_{name}"] / (results["attn", name][0][0] / 2 ** 20)
+            row[f"time_x_attn_{name}"] = statistics.median(
+                r[1] / a[1] for r, a in zip(results[kind, name], results["attn", name]))
+            row[f"f_x_mamba_{name}"] = statistics.median(
+                t / m for t, m in zip(f_times[kind, name], f_times["mamba", name])) if (kind, name) in f_times else None
         rows.append(row)
     print(f"layer types at equal width d={args.d} T={args.T} B={args.B} on {device} (training step, tol {args.tol} "
           f"(fpmamba 0.1), max_iter {args.max_iter}), {' and '.join(args.dtypes)}")
     columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "adjoint", "saved_MiB", "us_per_token",
                                                             "f_us_per_token") for n in args.dtypes]
-    print_table(rows, columns + [f"saved_x_attn_{first}", f"time_x_attn_{first}", f"f_x_mamba_{first}"])
+    print_table(rows, columns + [f"{c}_{n}" for c in ("saved_x_attn", "time_x_attn", "f_x_mamba") for n in args.dtypes])
 
     # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
     budget = args.budget_gib * 2 ** 30
