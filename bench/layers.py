@@ -21,7 +21,8 @@ Timing: every block is built and warmed up, then each repeat runs them all in tu
 apart, so load from other processes that comes and goes mostly cancels.
 
 Bytes are counted by autograd's saved-tensor hooks (parameters and the input excluded), so
-they are the same on every device. The micro-batch column extrapolates the bytes measured at
+they do not depend on the machine; on a GPU, mamba-ssm's scan and flash-attn (where they run)
+save what their own kernels save. The micro-batch column extrapolates the bytes measured at
 B and 2B (saved bytes are affine in B) to the budget. In bf16 the solver keeps its iterate in
 fp32 and raises a tolerance below bf16's floor to the floor (fpscale.solvers.precision). On a GPU
 every time is taken between two ``torch.cuda.synchronize()``, and attention inside the blocks runs
@@ -269,8 +270,8 @@ def inference(args, blocks: dict, x: torch.Tensor) -> list[dict]:
 
 def hqsa_against_attention(args) -> list[dict]:
     """Forward + backward time per token of causal HQSA (16 bins, chunked prefix sums) and of
-    causal attention (SDPA; flash-attn on a GPU in bf16) on the same q, k, v, by length: HQSA is
-    linear in T, attention quadratic (seed 003's sub-quadratic claim)."""
+    causal attention (SDPA, fp32) on the same q, k, v, by length: HQSA is linear in T, attention
+    quadratic (seed 003's sub-quadratic claim)."""
     rows = []
     dh, H = args.d // args.heads, args.heads
     device = torch.device(args.device)

@@ -46,8 +46,14 @@ from fpscale.models.scan_kernels import scan
 
 
 def scan_flops(d_inner: int, d_state: int) -> float:
-    """The scan's update h = lambda h + (Delta x~) B^T and its read C^T h, per token (elementwise)."""
-    return 2 * 4 * d_inner * d_state
+    """The scan's update h = lambda h + (Delta x~) B^T (elementwise) and its read C^T h (a small
+    product per position, ``scan_read_flops``), per token."""
+    return 2 * 3 * d_inner * d_state + scan_read_flops(d_inner, d_state)
+
+
+def scan_read_flops(d_inner: int, d_state: int) -> float:
+    """The read y = C^T h per token: a [1, n] x [n, d_inner] product in the PyTorch scan."""
+    return 2 * d_inner * d_state
 
 
 @dataclass

@@ -87,8 +87,20 @@ def _chunk_starts(dtc, wc, Bc, A2, h0):
     return starts, s
 
 
+def _full_precision(method):
+    """Run a pass of the scan outside autocast: its contractions are matmuls, which bf16 autocast
+    would run in bf16, and the scan and its state stay in the inputs' precision (float32 in the
+    layer: fpscale.solvers.precision)."""
+    def wrapped(ctx, *args):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device.type, enabled=False):
+            return method(ctx, *args)
+    return wrapped
+
+
 class _SelectiveScan(torch.autograd.Function):
     @staticmethod
+    @_full_precision
     def forward(ctx, x, dt, A, B, C, h0, chunk):
         T = x.shape[1]
         L = max(1, min(chunk, T))
@@ -108,6 +120,7 @@ class _SelectiveScan(torch.autograd.Function):
         return y, last
 
     @staticmethod
+    @_full_precision
     def backward(ctx, gy, _glast):
         x, dt, A, B, C, starts = ctx.saved_tensors
         L, T = ctx.chunk, x.shape[1]

@@ -58,19 +58,32 @@ def test_mamba_ssm_scan_matches_the_pytorch_scan(T, monkeypatch):
 @cuda
 @pytest.mark.parametrize("layer_type", ["fpsa", "looped", "attn"])
 def test_flash_attn_inside_a_layer_matches_sdpa_in_bf16(layer_type, monkeypatch):
-    """The same iterations (tol 0) with flash-attn and with SDPA: outputs and parameter gradients
-    agree to bf16's resolution."""
+    """The same iterations with flash-attn and with SDPA (4, tol 0, unrolled backward, so no
+    adjoint whose length could differ): outputs and parameter gradients agree to bf16's
+    resolution, and flash-attn did run in every iteration."""
     needs(common.FLASH_ATTN, common.FLASH_ATTN_ERROR, "flash-attn")
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flash(*args, **kwargs)
+
+    flash = common.FLASH_ATTN
+    monkeypatch.setattr(common, "FLASH_ATTN", counted)
     x = torch.randn(2, 128, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    solver = {"tol": 0.0, "patience": 0, "max_iter": 4, "eval_max_iter": 4, "backward": "unroll"}
     results = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("FPSCALE_FLASH_ATTN", mode)
-        model = tiny_model(layer_type, d=64, solver={"tol": 0.0, "patience": 0, "max_iter": 4, "eval_max_iter": 4},
-                           dtype=torch.bfloat16).cuda()
+        model = tiny_model(layer_type, d=64, solver=solver, dtype=torch.bfloat16).cuda()
         block = model.layers[0]
         out = block(x.bfloat16())
         out.float().pow(2).mean().backward()
+        iterations = [st.iterations for st in model.solver_stats().values()]
+        assert iterations == ([] if layer_type == "attn" else [4])
         results[mode] = (out, {k: p.grad for k, p in block.named_parameters() if p.grad is not None})
+        if mode == "1":
+            assert len(calls) >= max(iterations, default=1), calls
     (out, grads), (out_ref, grads_ref) = results["1"], results["0"]
     assert rel_err(out, out_ref) < 2e-2
     assert grads.keys() == grads_ref.keys()

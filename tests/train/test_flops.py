@@ -17,11 +17,12 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     """Each layer type's declared FLOPs against torch.utils.flop_counter on one forward that runs
     exactly 3 solver iterations. The counter sees matrix products (mm, bmm, convolution) only, so
     the two terms that are not one are taken out by name: the attention scores (CPU attention
-    runs a fused kernel the counter does not count) and FP-Mamba's elementwise scan."""
+    runs a fused kernel the counter does not count) and FP-Mamba's elementwise scan update (its
+    read C^T h is a batched product, which the counter sees)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from fpscale.models.common import attention_score_flops
-    from fpscale.models.fpmamba import scan_flops
+    from fpscale.models.fpmamba import scan_flops, scan_read_flops
     from tests.models import damped_mlp  # noqa: F401  (registers the type)
     from tests.models.helpers import tiny_config
 
@@ -41,7 +42,8 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     score_passes = {"attn": 1, "fpsa": k, "looped": k * getattr(layer, "core_blocks", 0)}.get(kind, 0)
     not_counted = score_passes * attention_score_flops(d, T)
     if kind == "fpmamba":
-        not_counted += k * scan_flops(layer.expand * d, layer.d_state)
+        di = layer.expand * d
+        not_counted += k * (scan_flops(di, layer.d_state) - scan_read_flops(di, layer.d_state))
     assert sum(ops.values()) / (B * T) == pytest.approx(declared - not_counted, rel=1e-9)
 
 
