@@ -165,7 +165,8 @@ def main(argv=None):
     # every block is built and warmed up first, then the repeats go round all of them, so each
     # ratio to attn (or mamba) is a median over repeats of times taken moments apart
     keys = [(kind, name) for kind in SPECS for name in args.dtypes]
-    blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]], device).train() for key in keys}
+    blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]], device).train()
+              for key in keys}
     inputs = {name: x.to(DTYPES[name]) for name in args.dtypes}
     for (kind, name), block in blocks.items():
         run(block, inputs[name])                                           # warm-up
@@ -276,8 +277,8 @@ def hqsa_against_attention(args) -> list[dict]:
     dh, H = args.d // args.heads, args.heads
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    w_bin, protos, log_tau = (t.to(device) for t in (torch.randn(8, dh, generator=g), torch.randn(H, 16, 8, generator=g),
-                                                      torch.zeros(H)))
+    w_bin, protos, log_tau = (t.to(device) for t in (torch.randn(8, dh, generator=g),
+                                                      torch.randn(H, 16, 8, generator=g), torch.zeros(H)))
     for T in args.hqsa_T:
         q, k, v = (torch.randn(1, H, T, dh, generator=g).to(device).requires_grad_() for _ in range(3))
 
