@@ -65,12 +65,10 @@ class Launch:
 
 def command(nproc: int, out: str, name: str, layout_args: list[str], steps: int, save_interval: int,
             eval_interval: int, extra: list[str] = ()) -> list[str]:
-    from tests.parallel.launch import free_port
-    args = ["launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE, *layout_args, *extra,
-            f"train.steps={steps}", f"train.save_interval={save_interval}", f"train.eval_interval={eval_interval}",
-            f"train.out_dir={out}", f"name={name}"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-            "127.0.0.1", "--master_port", str(free_port()), *args]
+    from tests.parallel.launch import torchrun_command
+    return torchrun_command(nproc, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE, *layout_args,
+                            *extra, f"train.steps={steps}", f"train.save_interval={save_interval}",
+                            f"train.eval_interval={eval_interval}", f"train.out_dir={out}", f"name={name}")
 
 
 def run_launch(cmd: list[str], fault: str | None, timeout: float) -> tuple[int, str, float]:

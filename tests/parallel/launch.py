@@ -37,10 +37,15 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = T
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` local processes on a free port, then
+    ``args`` (a script and its arguments, or ``--no-python`` and a program)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+
+
 def torchrun(nproc: int, script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    return run(cmd, timeout)
+    return run(torchrun_command(nproc, script, *args), timeout)
 
 
 def one_process_reference(out_dir: str, *args: str) -> dict:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fpscale
-from tests.parallel.launch import ROOT, free_port, run
+from tests.parallel.launch import ROOT, free_port, run, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
@@ -26,10 +26,8 @@ LAYOUTS = {"zero1": (2, ["parallel.zero_stage=1"]), "zero3": (2, ["parallel.zero
 
 
 def command(nproc: int, out, name: str, extra: list[str]) -> list[str]:
-    args = ["launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE, f"train.out_dir={out}",
-            f"name={name}", *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-            "127.0.0.1", "--master_port", str(free_port()), *args]
+    return torchrun_command(nproc, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BASE,
+                            f"train.out_dir={out}", f"name={name}", *extra)
 
 
 def pretrain(layout: str, out, name: str, *extra: str, timeout: float = 300):
@@ -136,10 +134,8 @@ def test_evaluate_and_convert_a_tp_checkpoint_on_one_process(tmp_path, straight)
                   (val.batch(list(range(i, i + 4))) for i in range(0, 16, 4))]
     assert sum(losses) / 4 == pytest.approx(want, rel=1e-5)
 
-    env_run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "launch/convert.py", "--weights", str(tmp_path / "weights"),
-               "--name", "back", "parallel.tp=2", f"train.out_dir={tmp_path}"]
-    run(env_run, timeout=300)
+    run(torchrun_command(2, "launch/convert.py", "--weights", str(tmp_path / "weights"), "--name", "back",
+                         "parallel.tp=2", f"train.out_dir={tmp_path}"), timeout=300)
     run([sys.executable, "launch/evaluate.py", "--checkpoint", str(tmp_path / "back" / "checkpoints" / "step_00000000"),
          "--out", str(tmp_path / "eval_back")], timeout=300)
     assert json.load(open(tmp_path / "eval_back" / "eval.json"))["val_loss"] == pytest.approx(want, rel=1e-5)

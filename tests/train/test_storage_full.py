@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fpscale.train.checkpoint import published, verify
-from tests.parallel.launch import ROOT, free_port
+from tests.parallel.launch import ROOT, torchrun_command
 from tests.train.test_checkpoint import BASE
 
 pytestmark = pytest.mark.multiprocess
@@ -27,9 +27,10 @@ def run(cmd: list[str], limit_rank: int | None, tmp_path) -> subprocess.Complete
     return subprocess.run([str(wrapper), *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def torchrun(*args: str) -> list[str]:
-    return ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "--no-python", sys.executable, "launch/pretrain.py", *args]
+def torchrun(*args: str, program: str = sys.executable) -> list[str]:
+    """torchrun on 2 processes of ``program launch/pretrain.py args``, less the leading python
+    (``run``'s wrapper supplies it)."""
+    return torchrun_command(2, "--no-python", program, "launch/pretrain.py", *args)[1:]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -43,10 +44,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_complete_checkpoint(tmp_path, 
     assert first.returncode == 0, first.stderr[-3000:]
     limited = 1 if nproc == 2 else 0
     if nproc == 2:            # rank 1 is limited through torchrun: the wrapper runs torchrun unlimited,
-        cmd2 = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), "--no-python", str(tmp_path / "limited.sh"),
-                "launch/pretrain.py", *args]           # and each worker through the wrapper again
-        full = run(cmd2, limited, tmp_path)
+        full = run(torchrun(*args, program=str(tmp_path / "limited.sh")), limited, tmp_path)   # each worker again
     else:
         full = run(cmd(*args), limited, tmp_path)
     root = tmp_path / "full" / "checkpoints"
