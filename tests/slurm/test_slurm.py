@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.parallel.launch import ROOT, free_port, run
+from tests.parallel.launch import ROOT, run, torchrun_command
 from tests.slurm.cluster import LocalSlurm, install_reason
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
@@ -93,9 +93,8 @@ def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp
     assert 1 <= saved_at < steps
 
     # the same run without interruption, under torchrun on the same layout
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *TRAIN,
-         f"train.steps={steps}", f"train.out_dir={tmp_path}", "name=straight"], timeout=400)
+    run(torchrun_command(4, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *TRAIN, f"train.steps={steps}",
+                         f"train.out_dir={tmp_path}", "name=straight"), timeout=400)
     got, want = train_records(tmp_path / "pre"), train_records(tmp_path / "straight")
     assert sorted(got) == list(range(1, steps + 1))
     for step in range(1, steps + 1):

@@ -4,11 +4,10 @@ data-parallel processes (gloo) running launch/pretrain.py on configs/125m_fpsa.y
 start, train 2 steps, validate and save, within a timeout."""
 import json
 import os
-import sys
 
 import pytest
 
-from tests.parallel.launch import free_port, run
+from tests.parallel.launch import run, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,9 +19,8 @@ TINY = ["model.d_model=32", "model.n_heads=4", "model.vocab_size=32", "model.max
 
 
 def test_the_readme_slurm_example_geometry_trains_and_validates_on_16_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "16", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "launch/pretrain.py", "--config", "configs/125m_fpsa.yaml", *TINY,
-           f"train.out_dir={tmp_path}", "name=geometry"]
+    cmd = torchrun_command(16, "launch/pretrain.py", "--config", "configs/125m_fpsa.yaml", *TINY,
+                           f"train.out_dir={tmp_path}", "name=geometry")
     out = run(cmd, timeout=600).stdout
     assert "global batch 256 x 16 tokens = micro-batch 8 x grad_accum 2 x data-parallel 16" in out, out[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "geometry" / "metrics.jsonl")]
