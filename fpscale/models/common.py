@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fpscale.models import kernels
+
 
 class TPSplit(NamedTuple):
     """How tensor parallelism splits one weight of a module (its ``tp_plan``): along ``dim`` into
@@ -191,6 +193,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def sdpa_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """``sdpa`` and the dtypes it was called with (``sdpa bf16``; mixed: ``sdpa q float32 k float32 v bfloat16``):
+    SDPA's flash and cuDNN backends take only fp16/bf16 with q, k and v alike."""
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in (q, k, v)]
+    if dtypes[0] == dtypes[1] == dtypes[2]:
+        return "sdpa " + {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtypes[0], dtypes[0])
+    return f"sdpa q {dtypes[0]} k {dtypes[1]} v {dtypes[2]}"
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: torch.Tensor | float | None = None, dropout_p: float = 0.0,
                      pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,8 +222,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if per_head:   # flash-attn takes one scale: fold the per-head one into q
             q, scale = q * scale.view(1, -1, 1, 1).to(q.dtype), 1.0
         out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                              softmax_scale=scale, dropout_p=dropout_p)
+                    softmax_scale=scale, dropout_p=dropout_p)
+        kernels.ran("attention", "flash-attn")
         return out.transpose(1, 2)
+    kernels.ran("attention", sdpa_label(q, k, v))
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
         q = q * scale.view(1, -1, 1, 1).to(q.dtype)
         scale = 1.0

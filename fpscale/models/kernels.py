@@ -1,0 +1,39 @@
+"""Which kernels actually ran, counted at the call (not which ones imported).
+
+Every dispatch point records the kernel it chose, once per call: attention
+(``fpscale.models.common.causal_attention``: ``flash-attn``, or ``sdpa`` with the dtype q, k and v
+reached it in, since SDPA's flash backend takes only fp16/bf16) and FP-Mamba's selective scan
+(``fpscale.models.scan_kernels.scan``: ``mamba-ssm``, ``triton`` or ``pytorch``). The benches and the
+smoke script report these counts, so a row labelled "flash" is one where flash-attn ran.
+
+    from fpscale.models import kernels
+    kernels.reset(); model(x); print(kernels.summary())     # e.g. "attention: flash-attn x12; scan: triton x6"
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+CALLS: Counter = Counter()         # (op, kernel) -> calls since the last reset
+
+
+def ran(op: str, kernel: str) -> None:
+    """Record one call of ``kernel`` for ``op`` ("attention", "scan")."""
+    CALLS[(op, kernel)] += 1
+
+
+def reset() -> None:
+    CALLS.clear()
+
+
+def used() -> dict[str, dict[str, int]]:
+    """{op: {kernel: calls}} since the last reset."""
+    out: dict[str, dict[str, int]] = {}
+    for (op, kernel), n in sorted(CALLS.items()):
+        out.setdefault(op, {})[kernel] = n
+    return out
+
+
+def summary(counts: dict[str, dict[str, int]] | None = None) -> str:
+    """One line: ``attention: flash-attn x12; scan: triton x6`` (``-`` when nothing ran)."""
+    counts = used() if counts is None else counts
+    return "; ".join(f"{op}: " + ", ".join(f"{k} x{n}" for k, n in ks.items()) for op, ks in counts.items()) or "-"
