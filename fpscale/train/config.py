@@ -59,7 +59,7 @@ class TrainConfig:
     resume: str = "auto"          # auto (newest complete checkpoint of this run, if any) | none | a folder
     stop_at: int = 0              # save and end this run at this step (a time slice); 0 = at train.steps
     init_weights: str = ""        # start from whole weights: a folder with model.safetensors (launch/convert.py)
-    peak_tflops: float = 0.0      # device peak for MFU; 0 = known GPUs (H100/H200/A100), else no MFU
+    peak_tflops: float = 0.0      # device peak for MFU; 0 = a known GPU (fpscale/train/flops.py), else no MFU
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")

@@ -46,17 +46,29 @@ def training_flops(cfg: ModelConfig, seq_len: int, layer_stats: list[dict | None
     return nominal, executed
 
 
-PEAK_TFLOPS = {   # dense peak per device, by precision
-    ("H100", "bf16"): 989.0, ("H100", "fp32"): 67.0, ("H200", "bf16"): 989.0, ("H200", "fp32"): 67.0,
-    ("A100", "bf16"): 312.0, ("A100", "fp32"): 19.5,
-}
+# Dense (not 2:4 sparse) peak TFLOP/s per device from NVIDIA's data sheets: bf16 tensor cores, fp32 matmuls
+# on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32), and plain fp32. The first row whose pattern
+# torch.cuda.get_device_name() contains applies, so the variants come before their family.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("H200 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("GH200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H100", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),      # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),      # SXM: "NVIDIA H200"
+    ("B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),      # SXM4 and PCIe, 40 and 80 GB alike
+]
 
 
-def peak_tflops(device_name: str, precision: str, configured: float) -> float | None:
-    """The configured peak, else a known GPU's; None when unknown (MFU is then not reported)."""
+def peak_tflops(device_name: str, precision: str, configured: float, tf32: bool = False) -> float | None:
+    """``train.peak_tflops`` when set, else the peak of a known device (``PEAK_TFLOPS``) for
+    ``precision`` (fp32 on TF32 tensor cores when ``tf32``); None for any other device, whose MFU
+    is then not reported rather than rated against a neighbour's peak."""
     if configured > 0:
         return configured
-    for (name, prec), value in PEAK_TFLOPS.items():
-        if name in device_name and prec == precision:
-            return value
+    key = "tf32" if precision == "fp32" and tf32 else precision
+    for pattern, peaks in PEAK_TFLOPS:
+        if pattern in device_name:
+            return peaks.get(key)
     return None

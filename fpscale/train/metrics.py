@@ -14,6 +14,35 @@ from fpscale.log import get_logger
 log = get_logger(__name__)
 
 
+def peak_memory_gib(device) -> float:
+    """Peak memory since the last ``reset_peak_memory``: the CUDA caching allocator's peak on a GPU; on
+    CPU the process's resident-set high-water mark (Linux's VmHWM)."""
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    try:
+        with open("/proc/self/status") as fh:
+            kib = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):           # not Linux: since the start of the process
+        import resource
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2 ** 20
+
+
+def reset_peak_memory(device) -> None:
+    """Start a new peak (each log interval, each validation, has its own): the allocator's peak on a
+    GPU, the high-water mark through /proc/self/clear_refs on Linux (elsewhere it is never reset)."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
 def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
     """Aggregate the per-forward stats of each looped layer over a log interval: iterations (a
     halting layer's steps run) for every layer, then residuals and damping of a solver, or

@@ -17,7 +17,7 @@ import yaml
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
 from fpscale.log import get_logger
-from fpscale.models import build_model
+from fpscale.models import build_model, kernels
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -26,7 +26,7 @@ from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
 from fpscale.train import checkpoint, faults
 from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
-from fpscale.train.metrics import MetricsWriter, perplexity, summarize_layers
+from fpscale.train.metrics import MetricsWriter, peak_memory_gib, perplexity, reset_peak_memory, summarize_layers
 from fpscale.train.optim import AdamW
 from fpscale.train.resume import plan_resume, resume
 from fpscale.train.schedule import lr_at
@@ -298,15 +298,18 @@ class Trainer:
                "tflops_nominal": nominal * tokens_per_s / 1e12 / world,       # per device
                "tflops_executed": executed * tokens_per_s / 1e12 / world}
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        peak = peak_tflops(name, self.cfg.train.precision, self.cfg.train.peak_tflops)
+        peak = peak_tflops(name, self.cfg.train.precision, self.cfg.train.peak_tflops,
+                           tf32=torch.backends.cuda.matmul.allow_tf32)
         if peak:
             out["mfu_nominal"], out["mfu_executed"] = out["tflops_nominal"] / peak, out["tflops_executed"] / peak
-        if self.device.type == "cuda":
-            out["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
-        else:
-            import resource
-            out["memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
+        out["memory_gib"] = peak_memory_gib(self.device)          # this interval's peak (reset at each log)
         return out
+
+    def new_interval(self) -> None:
+        """Start counting a new interval's peak memory and kernel calls (each train log record and
+        each validation record reports its own)."""
+        reset_peak_memory(self.device)
+        kernels.reset()
 
     def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a per-rank scalar tensor (on the compute device) over the data-parallel group."""
@@ -328,7 +331,8 @@ class Trainer:
         if t.eval_depths:          # the same depths in the same order on every rank (from the config)
             depths = validate_depths(*args, t.eval_depths, self.state, self.autocast, progress=self.metrics.enabled)
             out.update(depth_scalars(depths), depths=depths)
-        return {"step": self.step, "kind": "val", **out}
+        return {"step": self.step, "kind": "val", **out, "memory_gib": peak_memory_gib(self.device),
+                "kernels": kernels.used()}
 
     def train(self) -> list[dict]:
         """Train to ``train.steps`` with checkpoints every ``save_interval`` steps, every
@@ -346,6 +350,7 @@ class Trainer:
         history: list[dict] = []
         window: dict[str, list] = {}       # SolverStats of the log interval, read at the log step
         tokens, t_last = 0, time.perf_counter()
+        self.new_interval()
         end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
         if self.step >= end:
             logger.info("nothing to train: resumed at step %d of train.steps = %d", self.step, t.steps)
@@ -364,14 +369,16 @@ class Trainer:
                           **({"aux_loss": out["aux_loss"]} if "aux_loss" in out else {}),
                           "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
                           "tokens_per_s": tokens_per_s,
-                          **self.compute_record(layers, tokens_per_s), "layers": layers}
+                          **self.compute_record(layers, tokens_per_s), "kernels": kernels.used(), "layers": layers}
                 self.metrics.log(record)
                 self.metrics.console(self.step, t.steps, record)
                 history.append(record)
                 window, tokens, t_last = {}, 0, now
+                self.new_interval()
             if self.step % t.eval_interval == 0 or self.step == t.steps:
                 record = self.evaluate()
                 self.metrics.log(record, prefix="val")
+                self.new_interval()           # a validation's memory and kernels are its own record's
                 history.append(record)
                 if self.metrics.enabled:
                     for line in validation_lines(record):

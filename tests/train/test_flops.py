@@ -63,9 +63,28 @@ def test_executed_flops(kind):
     assert implicit[1] == pytest.approx(ten[1] + 10 * per_iter)
 
 
-def test_peak_lookup():
-    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16", 0) == 989.0
+@pytest.mark.parametrize("name, precision, tf32, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4),          # SXM
+    ("NVIDIA H100 PCIe", "bf16", False, 756.0),               # not the SXM part's 989
+    ("NVIDIA H100 NVL", "bf16", False, 835.5),
+    ("NVIDIA H200", "bf16", False, 989.4),
+    ("NVIDIA H200 NVL", "bf16", False, 835.5),
+    ("NVIDIA GH200 480GB", "bf16", False, 989.4),
+    ("NVIDIA A100-SXM4-40GB", "bf16", False, 312.0),
+    ("NVIDIA A100 80GB PCIe", "bf16", False, 312.0),
+    ("NVIDIA B200", "bf16", False, 2250.0),
+    ("NVIDIA A100-SXM4-80GB", "fp32", False, 19.5),
+    ("NVIDIA A100-SXM4-80GB", "fp32", True, 156.0),           # fp32 matmuls on TF32 tensor cores
+    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),
+])
+def test_peak_by_exact_device(name, precision, tf32, peak):
+    assert peak_tflops(name, precision, 0, tf32) == peak
+
+
+def test_an_unknown_device_has_no_peak_unless_configured():
     assert peak_tflops("cpu", "fp32", 0) is None and peak_tflops("cpu", "fp32", 0.1) == 0.1
+    assert peak_tflops("NVIDIA L40S", "bf16", 0) is None                     # no MFU against a neighbour's peak
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16", 700.0) == 700.0           # train.peak_tflops wins
 
 
 @pytest.mark.parametrize("attention", ["hqsa", "causal"])

@@ -30,6 +30,11 @@ def test_pretrain_cli_writes_run_directory(tmp_path):
     assert {"iters_mean", "iters_median", "iters_p90", "iters_max", "residual_p50", "converged_fraction",
             "eta"} <= set(train[0]["layers"]["layers.1.fpsa"])
     assert any(r["kind"] == "val" and "val_ppl" in r for r in records)
+    # the kernels that ran in the interval, counted at the call: SDPA on CPU, q, k and v in fp32
+    val = [r for r in records if r["kind"] == "val"][-1]
+    for record in (train[0], train[1], val):
+        assert set(record["kernels"]["attention"]) == {"sdpa fp32"} and record["kernels"]["attention"]["sdpa fp32"] > 0
+        assert record["memory_gib"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
@@ -63,3 +68,16 @@ def test_cli_config_error_exits_2_naming_the_key():
     proc = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny_attn.yaml",
                            "train.lr=-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "train.min_lr" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_peak_memory_is_per_interval():
+    """The reported peak is the interval's own: a large allocation before a reset does not show after it."""
+    import numpy as np
+
+    from fpscale.train.metrics import peak_memory_gib, reset_peak_memory
+    cpu = torch.device("cpu")
+    big = np.ones(2 ** 28 // 8)                # 256 MiB, touched
+    before = peak_memory_gib(cpu)
+    del big
+    reset_peak_memory(cpu)
+    assert peak_memory_gib(cpu) < before - 0.2
