@@ -1,5 +1,5 @@
-"""The GPU recipes on the GPU present: throughput, MFU, memory, iterations; flash-attn vs SDPA;
-the largest micro-batch for implicit vs unrolled backward (the product's promise).
+"""The GPU recipes on the GPU present: throughput, MFU, memory, iterations, the kernels that ran;
+flash-attn vs SDPA; the largest micro-batch for implicit vs unrolled backward (the product's promise).
 
     python bench/gpu.py                          # every configs/125m_*.yaml on cuda:0, bf16
     python bench/gpu.py --configs configs/125m_fpsa.yaml --steps 20
@@ -7,11 +7,16 @@ the largest micro-batch for implicit vs unrolled backward (the product's promise
 
 Per config (one process, one device, micro-batch ``--micro``, no accumulation, ``--steps`` timed
 after ``--warmup``): tokens/s, TFLOP/s and MFU nominal (every looped layer counted once) and
-executed (the iterations taken), peak memory, mean solver iterations per looped layer. The attention
-configs run twice, flash-attn (``FPSCALE_FLASH_ATTN=auto``) and SDPA (``=0``). Then, per looped
+executed (the iterations taken), peak memory of the timed steps, mean solver iterations per looped
+layer, and the attention and scan kernels that ran (counted at the call, fpscale/models/kernels.py).
+The attention configs run twice, ``FPSCALE_FLASH_ATTN=auto`` (flash-attn where installed) and ``=0``
+(SDPA). A config whose token shards are absent (a machine that reaches PyPI and nothing else has no
+FineWeb) runs on synthetic tokens of the same geometry, and the row says so. Then, per looped
 config, the micro-batch is doubled until the device runs out of memory, with the solver run to
 exactly ``--fit-iters`` iterations (tol 0) and the backward implicit or unrolled. On CPU there is
-no memory limit to hit: the fit search is skipped and reported as such.
+no memory limit to hit: the fit search is skipped and reported as such, and the throughput runs
+default to micro-batch 1 and one timed step after no warm-up (the same configs and sequence length:
+it checks the pipeline at the real geometry; the figures are a GPU's).
 """
 from __future__ import annotations
 
@@ -24,6 +29,23 @@ from pathlib import Path
 from common import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_source(path: str, extra: list[str]) -> tuple[list[str], str]:
+    """(overrides, what the row says): the config's token shards when they are there, else synthetic
+    tokens of the same sequence length and vocabulary."""
+    import fpscale
+    from fpscale.data.shards import TokenShards
+    from fpscale.errors import DataError
+    cfg = fpscale.load_config(path, extra)
+    if cfg.data.source != "shards":
+        return [], cfg.data.source
+    try:
+        TokenShards(cfg.data.path, "train", cfg.data.seq_len)
+    except DataError as exc:
+        print(f"{Path(path).stem}: synthetic tokens ({exc})")
+        return ["data.source=synthetic"], "synthetic"
+    return [], cfg.data.path
 
 
 def trainer_for(path: str, micro: int, steps: int, extra: list[str]):
@@ -44,16 +66,18 @@ def sync(device):
 def throughput(path: str, args, flash: str) -> dict:
     import torch
 
-    from fpscale.train.metrics import summarize_layers
+    from fpscale.models import kernels
+    from fpscale.train.metrics import reset_peak_memory, summarize_layers
     from fpscale.train.trainer import as_dicts
     os.environ["FPSCALE_FLASH_ATTN"] = flash
-    trainer = trainer_for(path, args.micro, args.warmup + args.steps, args.override)
+    data, source = data_source(path, args.override)
+    trainer = trainer_for(path, args.micro, args.warmup + args.steps, data + args.override)
     device = trainer.device
     for _ in range(args.warmup):
         trainer.train_step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     sync(device)
+    reset_peak_memory(device)
+    kernels.reset()
     t0, tokens, window = time.perf_counter(), 0, {}
     for _ in range(args.steps):
         out = trainer.train_step()
@@ -64,9 +88,10 @@ def throughput(path: str, args, flash: str) -> dict:
     tokens_per_s = tokens / (time.perf_counter() - t0)
     layers = summarize_layers(as_dicts(window))
     rec = trainer.compute_record(layers, tokens_per_s)
-    from fpscale.models.common import FLASH_ATTN
-    flash_used = flash == "auto" and FLASH_ATTN is not None and device.type == "cuda"
-    row = {"config": Path(path).stem, "attention": "flash-attn" if flash_used else "sdpa",
+    ran = kernels.used()
+    row = {"config": Path(path).stem, "flash": flash, "data": source,
+           "attention": ", ".join(ran.get("attention", {})) or "-", "scan": ", ".join(ran.get("scan", {})) or "-",
+           "kernel_calls": ran,
            "params_M": trainer.model.num_params() / 1e6, "micro": args.micro, "tokens_per_s": tokens_per_s,
            "tflops_nominal": rec["tflops_nominal"], "tflops_executed": rec["tflops_executed"],
            "mfu_nominal": rec.get("mfu_nominal"), "mfu_executed": rec.get("mfu_executed"),
@@ -86,7 +111,7 @@ def fits(path: str, micro: int, backward: str, args) -> bool:
              "model.iteration_cap.dist=none", *args.override]
     trainer = None
     try:
-        trainer = trainer_for(path, micro, 1, extra)
+        trainer = trainer_for(path, micro, 1, data_source(path, args.override)[0] + extra)
         trainer.train_step()
         sync(trainer.device)
         return True
@@ -107,9 +132,10 @@ def largest_micro_batch(path: str, backward: str, args) -> int:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", help="default: configs/125m_*.yaml (--quick: tiny_attn, tiny_fpsa)")
-    ap.add_argument("--micro", type=int, default=None, help="micro-batch of the throughput runs (default 8, quick 2)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--micro", type=int, default=None,
+                    help="micro-batch of the throughput runs (default 8 on a GPU, 1 on CPU, quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on a GPU, 0 on CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on a GPU, 1 on CPU)")
     ap.add_argument("--fit-iters", type=int, default=16)
     ap.add_argument("--fit-max", type=int, default=256, help="stop doubling the micro-batch here")
     ap.add_argument("--quick", action="store_true", help="CPU pipeline check: tiny configs, 2 steps")
@@ -117,23 +143,27 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     import torch
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
     if args.quick:
         args.configs = args.configs or [str(ROOT / "configs/tiny_attn.yaml"), str(ROOT / "configs/tiny_fpsa.yaml")]
-        args.warmup, args.steps = 1, 2
+        args.warmup, args.steps, args.micro = 1, 2, args.micro or 2
         args.override = ["data.source=synthetic", "data.seq_len=32", "train.precision=fp32", *args.override]
     configs = args.configs or sorted(glob.glob(str(ROOT / "configs/125m_*.yaml")))
-    args.micro = args.micro or (2 if args.quick else 8)
+    defaults = (8, 3, 10) if gpu else (1, 0, 1)
+    args.micro, args.warmup, args.steps = (v if v is not None else d for v, d in
+                                           zip((args.micro, args.warmup, args.steps), defaults))
     import fpscale
     rows, fit_rows = [], []
+    columns = ["config", "flash", "attention", "scan", "data", "params_M", "micro", "tokens_per_s", "tflops_executed",
+               "mfu_nominal", "mfu_executed", "peak_gib", "iters"]
     for path in configs:
         attention = any(s.type in ("attn", "fpsa", "looped") for s in fpscale.load_config(path).model.layers)
         flashes = ("auto", "0") if attention and torch.cuda.is_available() else ("auto",)
         for flash in flashes:
             rows.append(throughput(path, args, flash))
-            print_table(rows[-1:], list(rows[-1]))
-    print_table(rows, ["config", "attention", "params_M", "micro", "tokens_per_s", "tflops_executed",
-                       "mfu_nominal", "mfu_executed", "peak_gib", "iters"])
+            print_table(rows[-1:], columns)
+    print_table(rows, columns)
     os.environ["FPSCALE_FLASH_ATTN"] = "auto"
     for path in configs:
         cfg = fpscale.load_config(path)
