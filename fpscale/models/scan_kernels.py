@@ -1,20 +1,37 @@
-"""Which selective scan FP-Mamba runs: mamba-ssm's CUDA kernel for the full-sequence path on a GPU
-when it is installed, else the chunked PyTorch scan (fpscale.models.scan).
+"""Which selective scan FP-Mamba runs. On a CUDA tensor, the first that applies of
+  1. mamba-ssm's ``selective_scan_fn`` (installed, and a scan without an initial state: decoding
+     carries a state, which mamba-ssm does not take);
+  2. fpscale's Triton scan (fpscale.models.scan_triton: float32 / bfloat16 / float16 inputs, any
+     initial state; triton comes with CUDA torch wheels);
+  3. the chunked PyTorch scan (fpscale.models.scan), with one warning per process: about 400
+     kernel launches per forward at T = 2048 (about 1000 with the backward), tens of times slower
+     than a fused scan.
+On CPU, the PyTorch scan. Each call records what ran (``fpscale.models.kernels``: ``scan: mamba-ssm``,
+``triton`` or ``pytorch``).
 
-``FPSCALE_MAMBA_SCAN``: ``auto`` (default: mamba-ssm on CUDA when installed, for a scan without an
-initial state; decoding carries a state, which mamba-ssm's ``selective_scan_fn`` does not take),
-``0`` (never), ``1`` (required on CUDA). An installed mamba-ssm that fails to import (a build for
-another CUDA or torch) is an error that names the switch, not a silent fallback, as for flash-attn
-(fpscale.models.common.flash_attn_for).
+Switches, each ``auto`` (default), ``0`` (never) or ``1`` (required on CUDA where it applies):
+``FPSCALE_MAMBA_SCAN`` and ``FPSCALE_TRITON_SCAN``. An installed package that fails to import (a
+mamba-ssm or triton built for another CUDA or torch) is an error that names the switch and what
+runs with it at 0, not a silent fallback, as for flash-attn (fpscale.models.common.wanted_kernel).
 
-    python -m pytest tests/models/test_scan.py -q
+Under Triton's interpreter (``TRITON_INTERPRET=1`` before fpscale.models.scan_triton is first
+imported) ``FPSCALE_TRITON_SCAN=1`` also sends CPU tensors to the Triton scan, so the dispatch and
+the kernels can be tested without a GPU; ``auto`` never picks the (very slow) interpreter on CPU.
+
+    python -m pytest tests/models/test_scan_kernels.py tests/models/test_scan_triton.py -q
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from fpscale.log import get_logger
+from fpscale.models import kernels, scan_triton
 from fpscale.models.common import load_optional, wanted_kernel
 from fpscale.models.scan import selective_scan
+
+log = get_logger(__name__)
 
 
 def load_mamba_scan():
@@ -22,22 +39,75 @@ def load_mamba_scan():
     return load_optional("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn")
 
 
+def load_triton_scan():
+    """(triton_selective_scan, None), or None and why not: (None, None) without triton, (None, the
+    exception) when triton is installed but fails to import."""
+    if scan_triton.AVAILABLE:
+        return scan_triton.triton_selective_scan, None
+    return None, scan_triton.TRITON_SCAN_ERROR
+
+
 MAMBA_SCAN, MAMBA_SCAN_ERROR = load_mamba_scan()
+TRITON_SCAN, TRITON_SCAN_ERROR = load_triton_scan()
+TRITON_INTERPRET = scan_triton.INTERPRET        # the Triton scan's kernels run in the interpreter
+_warned = False                                 # the PyTorch-on-GPU warning, once per process
 
 
 def mamba_scan_for(x: torch.Tensor, h0: torch.Tensor | None):
-    """mamba-ssm's selective_scan_fn for this input, or None for the PyTorch scan."""
+    """mamba-ssm's selective_scan_fn for this input, or None for the next scan in line."""
+    instead = "run fpscale's Triton scan instead" if TRITON_SCAN is not None else "run FP-Mamba's scan in PyTorch"
     return wanted_kernel("FPSCALE_MAMBA_SCAN", MAMBA_SCAN, MAMBA_SCAN_ERROR, x.is_cuda and h0 is None,
-                         "mamba-ssm's selective scan", "mamba-ssm", "run FP-Mamba's scan in PyTorch")
+                         "mamba-ssm's selective scan", "mamba-ssm", instead)
+
+
+def _triton_fits(x: torch.Tensor, A: torch.Tensor) -> bool:
+    return x.dtype in scan_triton.DTYPES and A.shape[-1] <= scan_triton.MAX_D_STATE
+
+
+def triton_scan_for(x: torch.Tensor, A: torch.Tensor):
+    """fpscale's Triton scan for this input, or None for the PyTorch scan: on CUDA (float32, bfloat16,
+    float16; d_state <= 256), and on CPU when its kernels are interpreted and FPSCALE_TRITON_SCAN=1."""
+    interpreted = TRITON_INTERPRET and os.environ.get("FPSCALE_TRITON_SCAN") == "1"
+    return wanted_kernel("FPSCALE_TRITON_SCAN", TRITON_SCAN, TRITON_SCAN_ERROR,
+                         (x.is_cuda or interpreted) and _triton_fits(x, A), "fpscale's Triton scan", "triton",
+                         "run FP-Mamba's scan in PyTorch")
+
+
+def _warn_pytorch_on_gpu(x: torch.Tensor, A: torch.Tensor) -> None:
+    """One loud warning per process: the PyTorch scan on a GPU, why, what it costs and the fix."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    if os.environ.get("FPSCALE_TRITON_SCAN") == "0":
+        why, fix = "FPSCALE_TRITON_SCAN=0", "unset FPSCALE_TRITON_SCAN"
+    elif not _triton_fits(x, A):
+        why = f"{str(x.dtype).removeprefix('torch.')} inputs, d_state {A.shape[-1]}"
+        fix = "give the scan float32 or bfloat16 inputs and d_state <= 256"
+    else:
+        why = "triton is not installed"
+        fix = "install triton (pip install triton; a CUDA torch wheel brings it)"
+    log.warning("FP-Mamba's selective scan runs on its PyTorch fallback on this GPU (%s): about 400 kernel "
+                "launches per scan call at T = 2048 (about 1000 with the backward), tens of times slower than "
+                "a fused scan. To run fpscale's Triton scan, %s; or install mamba-ssm (pip install mamba-ssm "
+                "--no-build-isolation). This warning is shown once per process.", why, fix)
 
 
 def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
          h0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``selective_scan``'s contract (x, dt [B, T, c]; A [c, n] <= 0; B, C [B, T, n]; h0 [B, c, n]):
-    y [B, T, c] and the last state [B, c, n], by mamba-ssm where ``mamba_scan_for`` picks it."""
-    kernel = mamba_scan_for(x, h0)
-    if kernel is None:
-        return selective_scan(x, dt, A, B, C, h0)
-    y, last = kernel(*(t.transpose(1, 2).contiguous() for t in (x, dt)), A.contiguous(),
-                     *(t.transpose(1, 2).contiguous() for t in (B, C)), return_last_state=True)
-    return y.transpose(1, 2), last.detach()
+    y [B, T, c] and the last state [B, c, n], by mamba-ssm, the Triton scan or PyTorch (module doc)."""
+    mamba = mamba_scan_for(x, h0)
+    if mamba is not None:
+        kernels.ran("scan", "mamba-ssm")
+        y, last = mamba(*(t.transpose(1, 2).contiguous() for t in (x, dt)), A.contiguous(),
+                        *(t.transpose(1, 2).contiguous() for t in (B, C)), return_last_state=True)
+        return y.transpose(1, 2), last.detach()
+    triton_scan = triton_scan_for(x, A)
+    if triton_scan is not None:
+        kernels.ran("scan", "triton")
+        return triton_scan(x, dt, A, B, C, h0)
+    if x.is_cuda:
+        _warn_pytorch_on_gpu(x, A)
+    kernels.ran("scan", "pytorch")
+    return selective_scan(x, dt, A, B, C, h0)
