@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for fpscale: a virtual environment in .venv with the CPU PyTorch wheel
-# (installed first, so nothing pulls CUDA packages), DeepSpeed built against it, and fpscale.
-# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+# Set up a fresh machine for fpscale: a virtual environment in .venv with torch installed first (the
+# CPU wheel on a machine without a GPU, so nothing pulls CUDA packages; PyPI's CUDA build where
+# nvidia-smi lists a GPU, checked against the driver), DeepSpeed built against it, and fpscale; then
+# one line on which kernels each layer type will run. Everything comes from the package registry.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh   (FPSCALE_TORCH=<release> to choose torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,9 +26,17 @@ quiet() {
     rm -f "$log"
     exit "$status"
 }
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-    echo "[setup] installing torch ${FPSCALE_TORCH:-2.13.0} (CPU wheel unless FPSCALE_TORCH says otherwise)"
-    quiet $PIP install "torch==${FPSCALE_TORCH:-2.13.0}"
+# torch: PyPI's CUDA build where nvidia-smi lists a GPU, the CPU wheel elsewhere, FPSCALE_TORCH=<release>
+# to choose (it replaces an installed torch of another release); scripts/torch_check.py has the rules
+plan=$(.venv/bin/python scripts/torch_check.py plan)
+if [ "${plan%%=*}" = "install torch" ]; then
+    version=${plan#install torch==}
+    version=${version%%:*}
+    echo "[setup] ${plan#*: }"
+    if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+        quiet $PIP uninstall -y torch
+    fi
+    quiet $PIP install "torch==$version"
 fi
 if ! DS_ACCELERATOR=cpu .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
     echo "[setup] installing deepspeed (built against the installed torch)"
@@ -45,4 +55,10 @@ fi
 if .venv/bin/python -c "import torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)"; then
     quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 fi
+# on a GPU machine: can the driver run this torch's CUDA? (stops here, naming the fix, if not)
+if ! gpu=$(.venv/bin/python scripts/torch_check.py driver); then
+    echo "[setup] FAILED: $gpu" >&2
+    exit 1
+fi
+echo "[setup] $gpu"
 quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')"
