@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from fpscale.errors import LayoutError, UserError
 class ParallelState:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
+    local_rank: int = 0          # the launcher's node-local id (DeepSpeed may see another LOCAL_RANK: bind_device)
     tp_size: int = 1
     tp_rank: int = 0
     dp_size: int = 1
@@ -115,14 +116,52 @@ def compute_device(local_rank: int) -> torch.device:
     """This process's GPU: ``cuda:LOCAL_RANK`` when it sees the node's GPUs (torchrun, deepspeed,
     srun with --gpus-per-node), ``cuda:0`` when the scheduler bound it to one (srun with
     --gpus-per-task=1: CUDA_VISIBLE_DEVICES names one GPU)."""
-    n = torch.cuda.device_count()
-    if local_rank < n:
+    return _device(local_rank, torch.cuda.device_count(), os.environ)
+
+
+def _device(local_rank: int, visible: int, env: Mapping[str, str]) -> torch.device:
+    cuda_visible = env.get("CUDA_VISIBLE_DEVICES", "unset")
+    local_procs = int(env.get("LOCAL_WORLD_SIZE", "1"))          # torchrun's processes on this node
+    if visible == 1 and local_procs > 1:
+        raise LayoutError(f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_procs} processes on this node, "
+                          f"but each sees the same single GPU (CUDA_VISIBLE_DEVICES={cuda_visible}): torchrun "
+                          f"starts one process per GPU; give it {local_procs} GPUs or --nproc_per_node 1")
+    if local_rank < visible:
         return torch.device("cuda", local_rank)
-    if n == 1:
+    if visible == 1:
         return torch.device("cuda", 0)
-    raise LayoutError(f"LOCAL_RANK {local_rank} but this process sees {n} GPUs "
-                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one "
-                       f"process per GPU, each seeing all of its node's GPUs or exactly one")
+    raise LayoutError(f"LOCAL_RANK {local_rank} but this process sees {visible} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={cuda_visible}): start one "
+                      f"process per GPU, each seeing all of its node's GPUs or exactly one")
+
+
+def bind_device(env: Mapping[str, str], visible: int) -> tuple[torch.device, dict[str, str]]:
+    """(this process's device, the variables to set so that DeepSpeed binds the same one) for the
+    launcher environment ``env`` (after env_from_slurm) of a process that sees ``visible`` GPUs.
+
+    torchrun, ``deepspeed`` and srun with the node's GPUs visible: ``cuda:LOCAL_RANK``, nothing to
+    set. srun --gpus-per-task=1 (one GPU visible): ``cuda:0``, and LOCAL_RANK becomes "0" where it
+    was the task's node-local id. DeepSpeed 0.19.8 takes its device from that variable:
+    runtime/engine.py ``_configure_with_arguments`` sets ``self.local_rank = int(os.environ['LOCAL_RANK'])``
+    (asserting OMPI_COMM_WORLD_LOCAL_RANK equal where set) and ``_set_distributed_vars`` calls
+    ``get_accelerator().set_device(self.local_rank)`` ("invalid device ordinal" for every task of a
+    node but the first); ZeRO-3 (zero/partition_parameters.py, zero/utils.py) reads it too. The
+    launcher's node-local id stays in FPSCALE_LOCAL_RANK and ParallelState.local_rank. fpscale hands
+    deepspeed.initialize no ``args``, so the ``--local_rank`` the deepspeed launcher passes (equal to
+    its LOCAL_RANK) is never compared with the rewritten variable. No GPU: the CPU, nothing to set."""
+    if visible == 0:
+        return torch.device("cpu"), {}
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    device = _device(local_rank, visible, env)
+    if device.index == local_rank:
+        return device, {}
+    updates = {"LOCAL_RANK": str(device.index), "FPSCALE_LOCAL_RANK": str(local_rank)}
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
+        updates["OMPI_COMM_WORLD_LOCAL_RANK"] = str(device.index)
+    return device, updates
+
+
+_rebound: dict[str, str] = {}      # LOCAL_RANK as bind_device rewrote it in this process -> as the launcher set it
 
 
 def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
@@ -134,11 +173,18 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     env_from_slurm()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if tp_size < 1 or world % tp_size:
         raise LayoutError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
     cuda = torch.cuda.is_available()
-    device = compute_device(local_rank) if cuda else torch.device("cpu")
+    launcher = dict(os.environ)
+    if launcher.get("LOCAL_RANK") in _rebound:         # an earlier call in this process rewrote it
+        launcher["LOCAL_RANK"] = _rebound[launcher["LOCAL_RANK"]]
+    local_rank = int(launcher.get("LOCAL_RANK", "0"))
+    # the one place the device is chosen; DeepSpeed is told through os.environ (see bind_device)
+    device, deepspeed_env = bind_device(launcher, torch.cuda.device_count() if cuda else 0)
+    os.environ.update(deepspeed_env)
+    if deepspeed_env:
+        _rebound[deepspeed_env["LOCAL_RANK"]] = str(local_rank)
     if world == 1 and tp_size == 1:
         return ParallelState(device=device)
     if cuda:

@@ -117,3 +117,64 @@ def test_srun_python_reads_slurm_variables_itself(cluster, tmp_path):
     ckpt = tmp_path / "srun" / "checkpoints" / "step_00000002"
     assert sorted(f.name for f in ckpt.iterdir() if f.name.startswith("fpscale_rank")) == \
         ["fpscale_rank00000.pt", "fpscale_rank00001.pt"]
+
+
+FAKE_SRUN = """#!/bin/bash
+{ printf 'arg %s\\n' "$@"; echo "OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}"; } > "$FAKE_SRUN_OUT"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$2" in hostnames) echo node1 ;; node) echo "NodeName=node1 NodeAddr=10.1.2.3 State=IDLE" ;; esac
+"""
+
+
+@pytest.mark.parametrize("script", ["pretrain.sbatch", "evaluate.sbatch"])
+@pytest.mark.parametrize("cpus,user_omp,want_flag,want_omp", [
+    ("8", None, "--cpus-per-task=8", "8"),          # srun (Slurm >= 22.05) would not inherit it
+    ("8", "3", "--cpus-per-task=8", "3"),           # the user's OMP_NUM_THREADS wins
+    (None, None, None, "unset"),                    # no --cpus-per-task asked: nothing passed on
+])
+def test_the_sbatch_scripts_pass_cpus_per_task_to_srun(tmp_path, script, cpus, user_omp, want_flag, want_omp):
+    """The scripts run as the batch step would run them, with srun and scontrol replaced by
+    recorders: the srun line carries the allocation's --cpus-per-task and OpenMP follows it."""
+    import subprocess
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "OMP_NUM_THREADS"}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_SRUN_OUT": str(tmp_path / "srun.txt"),
+                "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",
+                "FPSCALE_ROOT": ROOT, "FPSCALE_PYTHON": sys.executable})
+    if cpus:
+        env["SLURM_CPUS_PER_TASK"] = cpus
+    if user_omp:
+        env["OMP_NUM_THREADS"] = user_omp
+    proc = subprocess.run(["bash", f"launch/slurm/{script}", "configs/tiny_mixed.yaml"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (tmp_path / "srun.txt").read_text().splitlines()
+    flags = [line[4:] for line in lines if line.startswith("arg --cpus-per-task")]
+    assert flags == ([want_flag] if want_flag else []), lines
+    assert f"OMP_NUM_THREADS={want_omp}" in lines
+
+
+def test_srun_tasks_get_the_cpus_per_task_and_openmp_threads(cluster, tmp_path):
+    """On the local cluster: pretrain.sbatch's task (a stand-in for Python that prints its view)
+    sees the allocation's cpus per task and OMP_NUM_THREADS set from it (the user set none). This
+    cluster's nodes have 2 CPUs and TaskPlugin=task/none (no CPU binding), so it cannot show the
+    one-core binding srun >= 22.05 gives a task without --cpus-per-task; the test above checks the flag."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/bash\necho "task $SLURM_PROCID cpus_per_task=$SLURM_CPUS_PER_TASK '
+                           'omp=$OMP_NUM_THREADS nproc=$(nproc)"\n')
+    fake_python.chmod(0o755)
+    out = tmp_path / "job.out"
+    env = {"FPSCALE_PYTHON": str(fake_python), "FPSCALE_ROOT": ROOT, "OMP_NUM_THREADS": ""}
+    job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=2", "--time=5",
+                          f"--output={out}", "launch/slurm/pretrain.sbatch", "configs/tiny_mixed.yaml"],
+                         env=env, cwd=ROOT)
+    info = cluster.wait(job, timeout=120)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    tasks = sorted(line for line in log.splitlines() if line.startswith("task "))
+    assert tasks == ["task 0 cpus_per_task=2 omp=2 nproc=2", "task 1 cpus_per_task=2 omp=2 nproc=2"], log[-3000:]
