@@ -156,8 +156,9 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [*positions.shape, head_dim/2] for the given absolute positions."""
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: torch.dtype = torch.float32):
+    """cos, sin of shape [*positions.shape, head_dim/2] for the given absolute positions, computed
+    in float32 and returned in ``dtype`` (``rope_span`` asks for at least float32: see ``apply_rope``)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     ang = positions.float()[..., None] * inv
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -167,11 +168,13 @@ def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Te
               pad: torch.Tensor | None = None):
     """cos, sin for the positions [pos, pos + length) of a block of new tokens: [T, head_dim/2];
     with left padding (``pad``, see ``real_tokens``) each row counts from its first real token:
-    [B, 1, T, head_dim/2]."""
+    [B, 1, T, head_dim/2]. The tables are in at least float32 whatever ``like``'s dtype (a bf16
+    model's too): ``apply_rope`` rotates in them and rounds the result to what it rotates."""
     positions = torch.arange(pos, pos + length, device=like.device)
+    dtype = torch.promote_types(like.dtype, torch.float32)
     if pad is None:
-        return rope_tables(head_dim, positions, theta, like.dtype)
-    cos, sin = rope_tables(head_dim, (positions[None] - pad[:, None]).clamp_min(0), theta, like.dtype)
+        return rope_tables(head_dim, positions, theta, dtype)
+    cos, sin = rope_tables(head_dim, (positions[None] - pad[:, None]).clamp_min(0), theta, dtype)
     return cos[:, None], sin[:, None]
 
 
@@ -188,9 +191,19 @@ def real_tokens(pad: torch.Tensor | None, pos: int, length: int) -> torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, H, T, dh] by position (pairs of halves, as in GPT-NeoX/Llama)."""
+    """Rotate [B, H, T, dh] by position (pairs of halves, as in GPT-NeoX/Llama); the result is in
+    x's dtype, so q and k leave RoPE in the dtype v has (bf16 under autocast or a bf16 model) and
+    reach attention alike (SDPA's fused backends and flash-attn take only q, k, v of one fp16/bf16
+    dtype).
+
+    The rotation itself runs in the tables' dtype (float32 from ``rope_span``; type promotion
+    widens a bf16 x exactly) and is rounded to x's dtype once, as torchtitan does (freqs_cis in
+    float32, the rotated q/k ``type_as`` the input). Megatron (its unfused rope) and HF Llama cast
+    cos/sin to bf16 and rotate in bf16: three roundings (tables, products, sum) instead of one,
+    for an elementwise op whose cost beside the projections is nil. A float32 x is rotated
+    exactly as before (float32 tables, float32 products: the ``.to`` is a no-op)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def sdpa_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
