@@ -26,7 +26,8 @@ save what their own kernels save. The micro-batch column extrapolates the bytes 
 B and 2B (saved bytes are affine in B) to the budget. In bf16 the solver keeps its iterate in
 fp32 and raises a tolerance below bf16's floor to the floor (fpscale.solvers.precision). On a GPU
 every time is taken between two ``torch.cuda.synchronize()``, and attention inside the blocks runs
-on flash-attn in bf16 when it is installed (``FPSCALE_FLASH_ATTN``), as in training.
+on flash-attn in bf16 when it is installed (``FPSCALE_FLASH_ATTN``), as in training. A last table
+names the attention and scan kernels each block ran (counted at the call, one training step).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import time
 import torch
 from common import print_table, write_json
 
-from fpscale.models import ModelConfig, layer_spec
+from fpscale.models import ModelConfig, kernels, layer_spec
 from fpscale.models.common import causal_attention
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.hqsa import bin_assignment, causal_hqsa
@@ -168,8 +169,11 @@ def main(argv=None):
     blocks = {key: build_block(key[0], args.d, args.heads, args.T, base, DTYPES[key[1]], device).train()
               for key in keys}
     inputs = {name: x.to(DTYPES[name]) for name in args.dtypes}
+    ran = {}                       # the attention and scan kernels each block ran, counted at the call
     for (kind, name), block in blocks.items():
+        kernels.reset()
         run(block, inputs[name])                                           # warm-up
+        ran[kind, name] = kernels.summary()
     results = {key: [] for key in keys}
     for _ in range(args.repeats):
         for (kind, name), block in blocks.items():
@@ -196,6 +200,7 @@ def main(argv=None):
             row[f"us_per_token_{name}"] = 1e6 * statistics.median(r[1] for r in res) / (args.B * args.T)
             f_time = statistics.median(f_times[kind, name]) if (kind, name) in f_times else None
             row[f"f_us_per_token_{name}"] = None if f_time is None else 1e6 * f_time / (args.B * args.T)
+            row[f"kernels_{name}"] = ran[kind, name]
         for name in args.dtypes:           # ratios within one precision: attn and mamba in that precision
             row[f"saved_x_attn_{name}"] = row[f"saved_MiB_{name}"] / (results["attn", name][0][0] / 2 ** 20)
             row[f"time_x_attn_{name}"] = statistics.median(
@@ -208,6 +213,7 @@ def main(argv=None):
     columns = ["layer", "backward"] + [f"{c}_{n}" for c in ("iters", "depth", "adjoint", "saved_MiB", "us_per_token",
                                                             "f_us_per_token") for n in args.dtypes]
     print_table(rows, columns + [f"{c}_{n}" for c in ("saved_x_attn", "time_x_attn", "f_x_mamba") for n in args.dtypes])
+    print_table(rows, ["layer"] + [f"kernels_{n}" for n in args.dtypes])
 
     # largest micro-batch under a saved-activation budget: implicit vs unroll at a fixed 16 iterations
     budget = args.budget_gib * 2 ** 30

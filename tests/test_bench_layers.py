@@ -43,3 +43,13 @@ def test_inference_flops_follow_the_iterations_taken(report, tmp_path):
     for rows in (loose, tight):
         assert rows["attn"]["MFLOP_per_token"] == pytest.approx(tight["attn"]["MFLOP_per_token"])
         assert all(r["us_per_token"] > 0 and r["latency_x_attn"] > 0 for r in rows.values())
+
+
+def test_the_kernels_each_block_ran_are_named(report):
+    """Counted at the call: on CPU attention is SDPA with q, k and v in fp32, FP-Mamba's scan the PyTorch one;
+    epsilon's HQSA and the plain MLP-free blocks name only what they called."""
+    ran = {r["layer"]: r["kernels_fp32"] for r in report["layer_rows"]}
+    for kind in ("attn", "fpsa", "looped"):
+        assert ran[kind].startswith("attention: sdpa fp32 x"), ran
+    for kind in ("fpmamba", "mamba"):
+        assert ran[kind].startswith("scan: pytorch x"), ran
