@@ -1,5 +1,6 @@
 """The GPU kernels against fpscale's PyTorch paths, on the device (skipped without CUDA, and each
-kernel's test without its package): mamba-ssm's ``selective_scan_fn`` against the chunked scan,
+kernel's test without its package): mamba-ssm's ``selective_scan_fn`` and fpscale's Triton scan
+(fpscale.models.scan_triton, float32 and bf16, with an initial state) against the chunked scan,
 flash-attn inside FPSA's fixed-point map and the looped core against SDPA, forward and backward.
 On CPU the dispatch is tested with stand-in kernels (test_scan_kernels.py, test_flash_attn.py);
 these are the checks a machine with a GPU runs:
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpscale.models import common, scan_kernels
+from fpscale.models import common, kernels, scan_kernels, scan_triton
 from fpscale.models.scan import selective_scan
 from tests.models.helpers import tiny_model
 
@@ -53,6 +54,64 @@ def test_mamba_ssm_scan_matches_the_pytorch_scan(T, monkeypatch):
     # and the PyTorch scan on the device is the one the CPU tests hold to the float64 reference
     y_cpu, _ = selective_scan(*(t.detach().double().cpu() for t in leaves))
     assert rel_err(y_ref.cpu(), y_cpu) < 1e-5
+
+
+@cuda
+@pytest.mark.parametrize("T", [64, 333])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_triton_scan_matches_the_pytorch_scan(T, with_h0, monkeypatch):
+    """fpscale's Triton scan (FPSCALE_TRITON_SCAN=1, mamba-ssm off) against the PyTorch scan on the
+    device: values, the last state, the gradients of every input (h0's too); T 333 is not a
+    multiple of the 64-step checkpoint chunk. The kernels counter says which scan ran."""
+    needs(scan_kernels.TRITON_SCAN, scan_kernels.TRITON_SCAN_ERROR, "triton")
+    monkeypatch.setenv("FPSCALE_MAMBA_SCAN", "0")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, c, n = 2, 96, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    leaves = [rand(B, T, c), F.softplus(rand(B, T, c) - 2), -torch.exp(0.5 * rand(c, n)), rand(B, T, n), rand(B, T, n),
+              rand(B, c, n)]
+    leaves = [t.requires_grad_() for t in leaves]
+    args = leaves if with_h0 else leaves[:5]
+    weight = rand(B, T, c)
+    results = {}
+    for mode, kernel in (("1", "triton"), ("0", "pytorch")):
+        monkeypatch.setenv("FPSCALE_TRITON_SCAN", mode)
+        kernels.reset()
+        y, last = scan_kernels.scan(*args)
+        assert kernels.used()["scan"] == {kernel: 1}
+        results[mode] = (y, last, torch.autograd.grad((y * weight).sum(), args))
+    (y, last, grads), (y_ref, last_ref, grads_ref) = results["1"], results["0"]
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(last, last_ref) < 1e-5
+    for name, a, b in zip(("x", "dt", "A", "B", "C", "h0"), grads, grads_ref):
+        assert rel_err(a, b) < 1e-4, name
+
+
+@cuda
+def test_triton_scan_in_bf16_keeps_a_float32_state(monkeypatch):
+    """bf16 inputs: bf16 outputs and gradients within bf16's rounding of the float32 PyTorch scan on
+    the same (bf16-rounded) inputs."""
+    needs(scan_kernels.TRITON_SCAN, scan_kernels.TRITON_SCAN_ERROR, "triton")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, T, c, n = 2, 333, 96, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    leaves = [rand(B, T, c), F.softplus(rand(B, T, c) - 2), -torch.exp(0.5 * rand(c, n)), rand(B, T, n), rand(B, T, n)]
+    leaves = [t.bfloat16().requires_grad_() for t in leaves]
+    wide = [t.detach().float().requires_grad_() for t in leaves]
+    weight = rand(B, T, c).bfloat16()
+    y, last = scan_triton.triton_selective_scan(*leaves)
+    y_ref, last_ref = selective_scan(*wide)
+    assert y.dtype == last.dtype == torch.bfloat16
+    assert rel_err(y, y_ref) < 1e-2 and rel_err(last, last_ref) < 1e-2
+    grads = torch.autograd.grad((y.float() * weight.float()).sum(), leaves)
+    grads_ref = torch.autograd.grad((y_ref * weight.float()).sum(), wide)
+    for name, a, b in zip(("x", "dt", "A", "B", "C"), grads, grads_ref):
+        assert a.dtype == torch.bfloat16 and rel_err(a, b) < 2e-2, name
 
 
 @cuda
