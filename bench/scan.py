@@ -43,6 +43,12 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "resize_", "set_"}
 
 
+def triton_launch_hooks():
+    """triton's chain of launch hooks (triton >= 3.4), or None."""
+    knobs = getattr(scan_triton.triton, "knobs", None) if scan_triton.AVAILABLE else None
+    return None if knobs is None else knobs.runtime.launch_enter_hook
+
+
 class CountLaunches(TorchDispatchMode):
     """ATen ops that launch work (not views, not allocations), and Triton kernel launches."""
 
@@ -60,13 +66,19 @@ class CountLaunches(TorchDispatchMode):
         self.triton += 1
 
     def __enter__(self):
-        if scan_triton.AVAILABLE:
-            scan_triton.triton.knobs.runtime.launch_enter_hook.add(self._triton_launch)
+        hooks = triton_launch_hooks()
+        if hooks is not None:
+            hooks.add(self._triton_launch)
+        elif scan_triton.AVAILABLE:                          # triton < 3.4: one hook, on CompiledKernel
+            scan_triton.triton.compiler.CompiledKernel.launch_enter_hook = self._triton_launch
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if scan_triton.AVAILABLE:
-            scan_triton.triton.knobs.runtime.launch_enter_hook.remove(self._triton_launch)
+        hooks = triton_launch_hooks()
+        if hooks is not None:
+            hooks.remove(self._triton_launch)
+        elif scan_triton.AVAILABLE:
+            scan_triton.triton.compiler.CompiledKernel.launch_enter_hook = None
         return super().__exit__(*exc)
 
     @property

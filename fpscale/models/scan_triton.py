@@ -66,7 +66,6 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    INTERPRET = bool(triton.knobs.runtime.interpret)     # what triton.jit below decides by
 
     @triton.jit
     def _scan_fwd(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, h0_ptr, y_ptr, last_ptr, ckpt_ptr,
@@ -170,6 +169,10 @@ if AVAILABLE:
         tl.store(dA_ptr + b * c * n + cn, dA, mask=mask_cn)
         if HAS_H0:
             tl.store(dh0_ptr + b * c * n + cn, mu.to(dh0_ptr.dtype.element_ty), mask=mask_cn)
+
+
+    # triton.jit made each kernel an InterpretedFunction if TRITON_INTERPRET=1 was set then
+    INTERPRET = type(_scan_fwd).__name__ == "InterpretedFunction"
 
 
 def _geometry(n: int, block_c: int) -> tuple[int, int]:
