@@ -224,12 +224,12 @@ def runnable(x: torch.Tensor) -> str | None:
 
 class _TritonScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, h0, chunk, block_c):
+    def forward(ctx, x, dt, A, B, C, h0, chunk, block_c, grad_enabled):
         Bsz, T, c = x.shape
         n = A.shape[1]
         n_chunks = -(-T // chunk)
         block_n, warps = _geometry(n, block_c)
-        save = any(ctx.needs_input_grad[:6])
+        save = grad_enabled and any(ctx.needs_input_grad[:6])     # (needs_input_grad ignores no_grad)
         A = A.contiguous()
         h0c = None if h0 is None else h0.contiguous()
         y = x.new_empty(Bsz, T, c)
@@ -265,7 +265,7 @@ class _TritonScan(torch.autograd.Function):
                                    BLOCK_N=block_n, num_warps=warps)
         dt_ = x.dtype
         return (dx, ddt, dA.sum(0).to(dt_), dB.sum(1).to(dt_), dC.sum(1).to(dt_),
-                dh0 if ctx.has_h0 else None, None, None)
+                dh0 if ctx.has_h0 else None, None, None, None)
 
 
 def triton_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -284,4 +284,4 @@ def triton_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     if block_c < 1 or block_c & (block_c - 1):
         raise ValueError(f"block_c must be a power of two, got {block_c}")
     with torch.autocast(x.device.type, enabled=False):
-        return _TritonScan.apply(x, dt, A, B, C, h0, chunk, block_c)
+        return _TritonScan.apply(x, dt, A, B, C, h0, chunk, block_c, torch.is_grad_enabled())

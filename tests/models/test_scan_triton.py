@@ -157,6 +157,30 @@ def test_kernel_strided_inputs_no_grad_and_decoding():
 
 
 @interpreted
+def test_kernel_checkpoints_only_where_a_gradient_can_follow(monkeypatch):
+    """The forward writes its checkpoints only when grad mode is on and an input requires grad
+    (decoding under no_grad with a parameter-derived A writes none)."""
+    saves = []
+    kernel = scan_triton._scan_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                saves.append(kwargs["SAVE"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(scan_triton, "_scan_fwd", Spy())
+    (x, dt, A, B, C, _), _ = inputs(3, c=4, n=2, batch=1)
+    A.requires_grad_()
+    with torch.no_grad():
+        scan_triton.triton_selective_scan(x, dt, A, B, C)
+    scan_triton.triton_selective_scan(x, dt, A.detach(), B, C)
+    scan_triton.triton_selective_scan(x, dt, A, B, C)
+    assert saves == [False, False, True]
+
+
+@interpreted
 def test_kernel_dispatch_reaches_the_triton_scan_under_the_interpreter(monkeypatch):
     """FPSCALE_TRITON_SCAN=1 sends CPU tensors to the interpreted kernels; auto keeps PyTorch on CPU."""
     assert scan_triton.INTERPRET and scan_kernels.TRITON_INTERPRET and scan_kernels.TRITON_SCAN is not None
