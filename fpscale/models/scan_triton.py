@@ -30,8 +30,9 @@ decay is 1 and the input 0 there, so the state is held and nothing is added (no 
             block [B, c / block_c, T, n], float32) and PyTorch sums them after the kernel. No
             atomics, so the gradients are deterministic.
 Saved for backward: the inputs themselves (references, no copies; strided views are read in place)
-and the checkpoints, 4 B ceil(T / chunk) c n bytes: 25 MiB at the 125m_fpmamba geometry (B 8,
-T 2048, c 1536, n 16, chunk 64), against 400 MiB for the state of every step. The backward's
+and the checkpoints, 4 B ceil(T / chunk) c n bytes: 24 MiB at the 125m_fpmamba geometry (B 8,
+T 2048, c 1536, n 16, chunk 64), against 96 MiB of chunk starts for the PyTorch scan (chunk 16) and
+1.5 GiB for the state of every step. The backward's
 scratch is 4 B (c / block_c) (chunk + 1) block_c n' bytes (n' = n padded), freed after it.
 Block sizes (block_c 32, chunk 64) and warps are untuned defaults.
 
