@@ -19,8 +19,9 @@ saves its inputs and the T/L chunk start states; the backward recomputes the sta
 and runs the adjoint recurrence (lambda_t = g_t C_t + a_{t+1} lambda_{t+1}) the same way.
 
 ``sequential_scan`` (h_t = a_t h_{t-1} + b_t, step by step) is the float64 reference the tests
-hold it to. On a GPU, ``fpscale.models.scan_kernels`` dispatches the full-sequence path to
-mamba-ssm's ``selective_scan_fn`` when it is installed.
+hold it to. On a GPU, ``fpscale.models.scan_kernels`` dispatches to mamba-ssm's ``selective_scan_fn``
+(full sequences, when installed), else fpscale's Triton scan (``fpscale.models.scan_triton``), and runs
+this one there only as a last resort, with a warning.
 
     python -m pytest tests/models/test_scan.py -q
 """
