@@ -17,18 +17,26 @@ class FixedPointLayer(LoopedLayer):
     ``f`` receives the iterate in float32 (float64 in float64 models) and keeps the elementwise
     algebra on it there; its heavy products run in the weights' dtype (fpscale.solvers.precision).
     ``fixed_point`` returns z* in that float32 state dtype: the layer casts where it leaves.
+
+    A subclass whose ``f`` never reads its iterate (FP-Mamba as a plain Mamba baseline:
+    ``FPMambaSpec.iterate_free``) sets ``iterate_free``: its solve is then one application of f,
+    the differentiable one (``fpscale.solvers.solve.apply_once``), and its FLOPs count one
+    application forward and its backward (``backward_mode`` ``once``).
     """
 
     def __init__(self, solver: SolverConfig):
         super().__init__()
         self.solver = solver
         self.state_sharded = False       # True where the solved state is split over the shards
+        self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.last_stats: SolverStats | None = None
 
     @property
     def backward_mode(self) -> str:      # type: ignore[override]
-        return self.solver.backward
+        """The solver's backward mode; ``once`` for an iterate-free layer, whose one application
+        of f is both the forward and what autograd differentiates (fpscale.train.flops)."""
+        return "once" if self.iterate_free else self.solver.backward
 
     @property
     def phantom_steps(self) -> int:      # type: ignore[override]
@@ -67,5 +75,5 @@ class FixedPointLayer(LoopedLayer):
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
-                                   real=real)
+                                   real=real, iterate_free=self.iterate_free)
         return z

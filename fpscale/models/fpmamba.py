@@ -6,8 +6,8 @@ previous iterate (y^0 = 0), one application of f is
     x~_t    = Q_t (u_t - y_t) + y_t                      Q_t: channel mixer (fpscale.models.mixers)
     B_t, C_t = normalize(W_B^x u_t + W_B^y y_s),  likewise C
     Delta_t = softplus(W_dt (W_d^x u_t + W_d^y y_s) + b_dt),  lambda_t = exp(-Delta_t A)
-    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan_kernels: chunked, contracted
-    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )       with C on the fly, h never stored whole)
+    h_t     = lambda_t * h_{t-1} + (Delta_t x~_t) B_t^T   (fpscale.models.scan_kernels: mamba-ssm, Triton or
+    y_t     = RMSNorm( G_t * (C_t^T h_t + D x~_t) )       chunked PyTorch; h never stored whole)
 and the layer returns x + W_out y*. Decoding keeps the conv window, the converged state h and
 the converged y of the last token, and iterates only the new token.
 
@@ -74,6 +74,14 @@ class FPMambaSpec(FixedPointSpec):
     y_feedback: bool = True
     mlp: bool = False
 
+    @property
+    def iterate_free(self) -> bool:
+        """Whether f never reads its iterate y: no channel mixer (Q = I, so x~ = Q (u - y) + y = u)
+        and no y feedback (B, C, Delta see u alone). The layer is then a plain Mamba block, f(0)
+        is its exact fixed point, and it applies f once (``fpscale.solvers.solve.apply_once``)
+        whatever ``max_iter`` and ``backward`` say: seed 002's Mamba baseline (configs/125m_mamba)."""
+        return self.mixer == "none" and not self.y_feedback
+
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         for name in ("mixer_rank", "d_state", "expand", "d_conv"):
@@ -113,6 +121,10 @@ class FPMambaMixer(FixedPointLayer):
         self.mixer, self.negative_eigs, self.y_feedback = spec.mixer, spec.negative_eigs, spec.y_feedback
         self.norm_eps = norm_eps
         self.state_sharded = True                # tensor parallelism splits y by d_inner channels
+        # a plain Mamba block: ``step`` never reads y (``reads_y``), so f(0) is z* and the solver
+        # applies f once (``iterate_free``, which a test may turn off to run the iterating path)
+        self.reads_y = not spec.iterate_free
+        self.iterate_free = spec.iterate_free
         self.w_in = torch.nn.Parameter(torch.empty(2 * di, d_model))
         self.conv_w = torch.nn.Parameter(torch.randn(di, 1, spec.d_conv) / spec.d_conv ** 0.5)
         self.conv_b = torch.nn.Parameter(torch.zeros(di))
@@ -174,8 +186,11 @@ class FPMambaMixer(FixedPointLayer):
         y_s = torch.cat([torch.zeros_like(y[:, :1]) if y_prev_last is None else y_prev_last.unsqueeze(1),
                          y[:, :-1]], 1)
         y_c = y_s if self.y_feedback else None
-        x_t = apply_mixer(self.mixer, self.mixer_params(), wide(u) - y, u, y_c, self.negative_eigs,
-                          self.shards, static["mixer"]) + y
+        if not self.reads_y:         # Q = I: x~ = (u - y) + y is u, without the rounding of y in and out
+            x_t = wide(u)
+        else:
+            x_t = apply_mixer(self.mixer, self.mixer_params(), wide(u) - y, u, y_c, self.negative_eigs,
+                              self.shards, static["mixer"]) + y
         proj = static["x_proj"]
         if self.y_proj is not None:
             proj = proj + linear(y_s, self.y_proj)

@@ -18,6 +18,9 @@ fpscale's precision policy for looped layers (docs/solver.md, "Precision"):
     vector-Jacobian products) reached 5e-4 after 30 iterations on the same fpsa weights. At
     initialisation the looped core under autocast plateaus just above 1e-2 (1.3 eps) for some
     samples: a tolerance between 1 and 2 eps is reached by most solves, not by all.
+    A float32 map on CUDA with TF32 matmuls on (an fp32 run: fpscale.train.precision) has its
+    products' inputs rounded to TF32's 10 mantissa bits: by the same argument its floor is 2 TF32
+    eps (2^-9 = 1.95e-3; taken from bf16's measurement by analogy, not measured on a GPU here).
     A tolerance below the floor of the dtype the map runs in cannot be reached: every solve
     would run to its cap. ``resolvable_tol`` raises it to the floor (``fpscale.Config`` does so
     at load time with a warning naming the key; ``solve`` does it for any caller, with one
@@ -38,28 +41,41 @@ def map_dtype(like: torch.Tensor) -> torch.dtype:
     return like.dtype
 
 
-def residual_floor(dtype: torch.dtype) -> float:
-    """The smallest relative residual a map computing in ``dtype`` reaches reliably: 2 eps."""
+TF32_EPS = 2.0 ** -10          # TF32: float32's range, 10 explicit mantissa bits
+
+
+def tf32_matmuls(like: torch.Tensor) -> bool:
+    """Whether a float32 product on ``like``'s device runs on TF32 tensor cores (CUDA with
+    ``torch.backends.cuda.matmul.allow_tf32``, as fpscale.train.precision sets it for fp32 runs)."""
+    return like.is_cuda and torch.backends.cuda.matmul.allow_tf32
+
+
+def residual_floor(dtype: torch.dtype, tf32: bool = False) -> float:
+    """The smallest relative residual a map computing in ``dtype`` reaches reliably: 2 eps (a
+    float32 map whose matmuls run in TF32, ``tf32``: 2 TF32 eps)."""
+    if tf32 and dtype == torch.float32:
+        return 2 * TF32_EPS
     return 2 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
 _warned: set = set()
 
 
-def unreachable(tol: float, dtype: torch.dtype) -> bool:
+def unreachable(tol: float, dtype: torch.dtype, tf32: bool = False) -> bool:
     """Whether ``tol`` lies below what a map computing in ``dtype`` resolves. A tolerance of 0
     asks for no tolerance stop at all (run to the cap): never unreachable."""
-    return 0 < tol < residual_floor(dtype)
+    return 0 < tol < residual_floor(dtype, tf32)
 
 
-def resolvable_tol(tol: float, dtype: torch.dtype, what: str = "tol") -> float:
-    """``tol`` raised to the floor of ``dtype`` where it is unreachable, warning once per
-    (what, tol, dtype)."""
-    if not unreachable(tol, dtype):
+def resolvable_tol(tol: float, dtype: torch.dtype, what: str = "tol", tf32: bool = False) -> float:
+    """``tol`` raised to the floor of ``dtype`` (of TF32 for a float32 map with ``tf32``) where it
+    is unreachable, warning once per (what, tol, dtype)."""
+    if not unreachable(tol, dtype, tf32):
         return tol
-    floor = residual_floor(dtype)
-    if (what, tol, dtype) not in _warned:
-        _warned.add((what, tol, dtype))
-        warnings.warn(f"solver {what} = {tol:g} is below what a map computed in {str(dtype).replace('torch.', '')} "
+    floor = residual_floor(dtype, tf32)
+    name = "tf32" if tf32 and dtype == torch.float32 else str(dtype).replace("torch.", "")
+    if (what, tol, name) not in _warned:
+        _warned.add((what, tol, name))
+        warnings.warn(f"solver {what} = {tol:g} is below what a map computed in {name} "
                       f"can resolve (relative residual floor {floor:.3g}): using {floor:.3g}", stacklevel=3)
     return floor

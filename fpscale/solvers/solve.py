@@ -16,15 +16,15 @@ import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Consensus, StateReduce, iterate
-from fpscale.solvers.precision import map_dtype, resolvable_tol
+from fpscale.solvers.iterate import Consensus, StateReduce, iterate, state_dtype
+from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
 
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
           *, training: bool | None = None, consensus: Consensus | None = None,
           state_reduce: StateReduce | None = None, max_iter: int | None = None,
-          real: torch.Tensor | None = None) -> tuple[torch.Tensor, SolverStats]:
+          real: torch.Tensor | None = None, iterate_free: bool = False) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
     training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
@@ -36,6 +36,9 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     max_iter   overrides the cap for this call (randomised caps, an evaluation depth).
     real       [batch, tokens] bool: the tokens that count in the stop test (left padding is
                not real; its residual counts as 0, so it never holds a sample's solve up).
+    iterate_free  f never reads its iterate (a plain Mamba baseline: ``FPMambaSpec.iterate_free``):
+               f(z0) is then the exact fixed point, and the solve is that one application, under
+               grad when grad mode is on (``apply_once``), whatever the cap and the backward mode.
     Returns (z, stats); z is in the solver's state dtype (float32 unless z0 is float64) and,
     with grad mode on, carries the gradient of ``config.backward``. The tolerances are raised to
     what the dtype f computes in can resolve (:mod:`fpscale.solvers.precision`).
@@ -55,9 +58,11 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     grad = torch.is_grad_enabled()
     cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
     # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
-    dtype, implicit = map_dtype(z0), grad and cfg.backward == "implicit"
-    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol"), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol") if implicit else cfg.backward_tol))
+    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward == "implicit", tf32_matmuls(z0)
+    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+    if iterate_free:
+        return apply_once(f, z0, cfg, cap, real)
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
@@ -71,3 +76,34 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if implicit:
         return attach_implicit(f, z, cfg, stats, consensus, state_reduce), stats
     return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats
+
+
+def apply_once(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, cap: int,
+               real: torch.Tensor | None = None) -> tuple[torch.Tensor, SolverStats]:
+    """The solve of a map that does not read its iterate: z* = f(z0), one application.
+
+    Iterating would give f(z0) again at every step, and every backward mode would differentiate
+    that same application (jfb/phantom: f of the detached z*; implicit: J_f = 0, so the adjoint
+    is the incoming gradient; unroll: autograd through f(z0)). So f runs once, in the current
+    grad mode, and its result, with its graph, is the layer's output: what the no-grad pass and
+    then the differentiable step computed before, at the cost of one application instead of two
+    (three with a cap above 1: the second no-grad pass only confirmed the residual was 0).
+
+    Statistics: 1 iteration, ``converged``, residual 0 (f(z*) - z* = 0 exactly), the damping
+    untouched. Nothing is read back to the host (no rule can fire, as with a fixed cap): a sample
+    whose output is not finite gets a NaN residual and unconverged tokens, but ``stopped_by`` is
+    not ``nonfinite``; the NaN reaches the loss, whose check makes the trainer skip the step."""
+    z = f(z0.detach().to(state_dtype(z0.dtype)))
+    if not isinstance(z, torch.Tensor) or z.shape != z0.shape:
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z0.shape)}, got {got}")
+    z = z.to(state_dtype(z0.dtype))
+    with torch.no_grad():
+        finite = torch.isfinite(z.detach()).reshape(*z.shape[:2], -1).all(-1)       # [B, T]
+        if real is not None:
+            finite = finite | ~real
+        residual = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device).masked_fill(~finite.all(1), float("nan"))
+        eta = torch.full((z.shape[0],), cfg.damping, dtype=z.dtype, device=z.device)
+    stats = SolverStats(iterations=1, max_iter=cap, stopped_by="converged", sample_residual=residual,
+                        token_converged=finite, final_eta=eta, tol=cfg.tol)
+    return z, stats

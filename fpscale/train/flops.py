@@ -6,6 +6,8 @@ A looped layer's forward costs ``static + per_iter * iterations``. Training FLOP
             unroll   2 x per_iter x iterations           phantom/jfb   3 x per_iter x k
             implicit 3 x per_iter (the recorded f and its parameter gradient) + 2 x per_iter per
                      adjoint iteration (one vector-Jacobian product each)
+            once     2 x per_iter: a layer whose f does not read its iterate applies f once, the
+                     differentiable application (its one iteration), and autograd goes through it
 plus 3 x static for every layer. Attention scores are counted causally (T/2 keys on average).
 The per-layer formulas live with their layer types (``flops`` of each spec in fpscale/models/).
 """
@@ -36,7 +38,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, layer_stats: list[dict | None
             executed += 3 * static
             continue
         its = stats["iterations"]
-        if mode == "unroll":
+        if mode in ("unroll", "once"):
             back = 2 * per_iter * its
         elif mode == "implicit":
             back = 3 * per_iter + 2 * per_iter * stats.get("backward_iterations", 0)
