@@ -7,8 +7,13 @@
 Prints validation loss, perplexity and per-layer iteration statistics; writes eval.json and
 iterations.png into --out (default: DIR/eval). --depths evaluates once more per depth, every looped
 layer capped at that many solver iterations: eval.json gains "depths" (one record per depth), the
-table is printed and depth.png plots loss and iterations against depth. Exit code 2 for a checkpoint
-that cannot be read or a bad --depths (the codes: fpscale/errors.py).
+table is printed and depth.png plots loss and iterations against depth.
+
+--precision: the numerics of the evaluation. ``config`` (default) is the run's train.precision, so the
+losses and iteration counts are the ones training-time validation reported: bf16 autocast for a bf16
+run, fp32 with TF32 matmuls on CUDA for an fp32 run. ``bf16`` and ``fp32`` ask for one of those,
+``fp32-strict`` for IEEE fp32 (TF32 off). Exit code 2 for a checkpoint that cannot be read, a bad
+--depths or a bad --precision (the codes: fpscale/errors.py).
 """
 from __future__ import annotations
 
@@ -51,18 +56,24 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
     ap.add_argument("--depths", default=None, help="evaluation depths to sweep, e.g. 1,2,4,8,16,64 (solver "
                                                    "iteration caps of every looped layer)")
+    ap.add_argument("--precision", default="config",
+                    help="config (default: the run's train.precision), bf16 (autocast), fp32 (TF32 matmuls on "
+                         "CUDA) or fp32-strict (IEEE fp32)")
     ap.add_argument("--out", default=None, help="report folder (default: CHECKPOINT/eval)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     depths = parse_depths(args.depths)
+    from fpscale.train.precision import check_precision
+    check_precision(args.precision)
     from fpscale.eval.evaluate import evaluate_checkpoint
     from fpscale.parallel.state import init_parallel
     state = init_parallel(args.tp)
     report = evaluate_checkpoint(args.checkpoint, state, args.out or os.path.join(args.checkpoint, "eval"),
-                                 args.batches, depths)
+                                 args.batches, depths, args.precision)
     if state.is_main:
+        saved = report["saved_layout"]
         print(f"step {report['step']}: validation loss {report['val_loss']:.4f} ppl {report['val_ppl']:.2f} "
-              f"(saved on tp {report['saved_layout']['tp']} x dp {report['saved_layout']['dp']}, evaluated on "
+              f"in {report['precision']} (saved on tp {saved['tp']} x dp {saved['dp']}, evaluated on "
               f"tp {state.tp_size} x dp {state.dp_size})")
         for name, st in report["layers"].items():
             print(f"  {name:<18} iterations mean {st['iters_mean']:.2f} p90 {st['iters_p90']:.0f} "

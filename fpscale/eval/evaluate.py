@@ -9,6 +9,12 @@ the validation batches are the training run's. Writes ``eval.json`` (loss, perpl
 iteration statistics) and ``iterations.png`` (iterations per fixed-point layer) into ``--out``;
 with ``depths``, also one record per evaluation depth (eval.json's ``depths``) and ``depth.png``
 (loss and iterations against depth).
+
+Precision: by default the run's ``train.precision`` (bf16 autocast for a bf16 run, TF32 matmuls for
+an fp32 run on CUDA), through the same context as training-time validation
+(fpscale.train.precision), so the losses and iteration counts are the ones training reported, and
+the solver's tolerances are floored alike (fpscale.solvers.precision: the map's dtype decides).
+``precision`` asks for another: ``fp32``, ``bf16`` or ``fp32-strict`` (IEEE fp32, TF32 off).
 """
 from __future__ import annotations
 
@@ -17,19 +23,23 @@ import os
 
 from fpscale.parallel.parallelize import parallelize
 from fpscale.train import checkpoint
+from fpscale.train.precision import autocast, eval_precision, set_matmul_precision
 from fpscale.train.trainer import build_datasets
 from fpscale.train.validation import validate, validate_depths
 
 
 def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None,
-                        depths: list[int] | None = None) -> dict:
+                        depths: list[int] | None = None, precision: str = "config") -> dict:
     """Validate ``folder`` on this layout and write the report into ``out_dir`` (main rank).
     The top-level fields are the run at the configured ``solver.eval_max_iter``; ``depths``
     (e.g. [1, 2, 4, 8]) adds ``report["depths"]``, one record per depth, and ``depth.png``.
+    ``precision``: ``config`` (the run's ``train.precision``), ``fp32``, ``bf16`` or
+    ``fp32-strict``; the report's ``precision`` says which ran.
 
         report = evaluate_checkpoint("runs/x/checkpoints/step_00000300", state, "out", depths=[1, 4, 16])
         [(r["depth"], r["val_loss"]) for r in report["depths"]]
     """
+    eval_precision(precision, "fp32")                       # a bad value fails before any work
     problem = checkpoint.verify_together(folder, state)     # every rank hashes a share
     if problem:
         raise checkpoint.CheckpointError(f"cannot evaluate {folder}: {problem}")
@@ -37,14 +47,21 @@ def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | No
     model = parallelize(model, state).to(state.device)
     _, val = build_datasets(cfg)
     t = cfg.train
+    precision = eval_precision(precision, t.precision)
+    set_matmul_precision(precision, state.device)
+
+    def context():
+        return autocast(precision, state.device)
+
     batches = eval_batches or t.eval_batches
-    result = validate(model, model, val, t.micro_batch, batches, state, progress=True)
+    result = validate(model, model, val, t.micro_batch, batches, state, context, progress=True)
     if depths:
-        result["depths"] = validate_depths(model, model, val, t.micro_batch, batches, depths, state, progress=True)
+        result["depths"] = validate_depths(model, model, val, t.micro_batch, batches, depths, state, context,
+                                           progress=True)
     meta = checkpoint.read_meta(folder)
     report = {"checkpoint": os.path.abspath(folder), "step": meta["step"],
               "saved_layout": {"tp": meta["tp"], "dp": meta["dp"], "zero_stage": meta["zero_stage"]},
-              "eval_layout": {"tp": state.tp_size, "dp": state.dp_size}, **result}
+              "eval_layout": {"tp": state.tp_size, "dp": state.dp_size}, "precision": precision, **result}
     if state.is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "eval.json"), "w") as fh:

@@ -28,6 +28,7 @@ from fpscale.train.config import BatchPlan, resolve_batch
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.metrics import MetricsWriter, peak_memory_gib, perplexity, reset_peak_memory, summarize_layers
 from fpscale.train.optim import AdamW
+from fpscale.train.precision import autocast, set_matmul_precision
 from fpscale.train.resume import plan_resume, resume
 from fpscale.train.schedule import lr_at
 from fpscale.train.signals import StepBoundary
@@ -173,6 +174,7 @@ class Trainer:
         if self.state.distributed:
             import deepspeed
             if cfg.parallel.zero_stage == 3 and self.model.lm_head is None:
+        set_matmul_precision(t.precision, self.device)       # TF32 for an fp32 run on CUDA
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             universal = plan is not None and plan.universal
@@ -218,9 +220,9 @@ class Trainer:
                                self.progress)
 
     def autocast(self):
-        """bf16 autocast for ``train.precision: bf16`` (parameters and optimizer stay fp32)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=self.cfg.train.precision == "bf16")
+        """bf16 autocast for ``train.precision: bf16`` (parameters and optimizer stay fp32); the
+        same context launch/evaluate.py uses (fpscale.train.precision)."""
+        return autocast(self.cfg.train.precision, self.device)
 
     def train_step(self) -> dict:
         t = self.cfg.train
