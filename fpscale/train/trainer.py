@@ -156,6 +156,7 @@ class Trainer:
         if self.state.is_main and log:
             logger.info(self.batch.describe(cfg.data.seq_len))
         self.device = self.state.device
+        set_matmul_precision(t.precision, self.device)       # TF32 for an fp32 run on CUDA
         model = initial_model(cfg, self.state)
         seed_default_stream(cfg.seed, self.state)
         rng = RNGTracker.for_tp(cfg.seed, self.state)
@@ -174,7 +175,6 @@ class Trainer:
         if self.state.distributed:
             import deepspeed
             if cfg.parallel.zero_stage == 3 and self.model.lm_head is None:
-        set_matmul_precision(t.precision, self.device)       # TF32 for an fp32 run on CUDA
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             universal = plan is not None and plan.universal
