@@ -2,7 +2,7 @@
 dispatch state the layers use (stand-in kernels here; on CPU: SDPA and the PyTorch scan)."""
 import pytest
 
-from fpscale.models import common, kernels, scan_kernels
+from fpscale.models import common, kernel_plan, kernels, scan_kernels
 
 SENTINEL = object()
 
@@ -24,30 +24,31 @@ def installed(monkeypatch):
 
 def test_a_pypi_only_gpu_machine_runs_sdpa_and_the_triton_scan(installed):
     installed(triton=True)
-    assert kernels.plan(cuda=True) == {kernels.ATTENTION: "SDPA (its flash/cuDNN backends in bf16)",
+    assert kernel_plan.plan(cuda=True) == {kernel_plan.ATTENTION: "SDPA (its flash/cuDNN backends in bf16)",
                                        "fpmamba scan": "Triton"}
 
 
 def test_the_optional_kernels_come_first_where_installed(installed):
     installed(flash=True, mamba=True, triton=True)
-    assert kernels.plan(cuda=True) == {kernels.ATTENTION: "flash-attn", "fpmamba scan": "mamba-ssm (decoding: Triton)"}
+    assert kernel_plan.plan(cuda=True) == {kernel_plan.ATTENTION: "flash-attn",
+                                           "fpmamba scan": "mamba-ssm (decoding: Triton)"}
 
 
 def test_switches_and_failures_are_named(installed, monkeypatch):
     installed(flash=False, mamba=True, triton=False, broken=OSError("undefined symbol"))
-    plan = kernels.plan(cuda=True)
-    assert plan[kernels.ATTENTION].startswith("flash-attn fails to import (OSError('undefined symbol')")
-    assert "FPSCALE_FLASH_ATTN=0" in plan[kernels.ATTENTION]
+    plan = kernel_plan.plan(cuda=True)
+    assert plan[kernel_plan.ATTENTION].startswith("flash-attn fails to import (OSError('undefined symbol')")
+    assert "FPSCALE_FLASH_ATTN=0" in plan[kernel_plan.ATTENTION]
     assert plan["fpmamba scan"].startswith("mamba-ssm (decoding: PyTorch (chunked: about 400 launches")
     monkeypatch.setenv("FPSCALE_MAMBA_SCAN", "0")
     monkeypatch.setenv("FPSCALE_FLASH_ATTN", "0")
-    plan = kernels.plan(cuda=True)
-    assert plan["fpmamba scan"].startswith("PyTorch (chunked") and plan[kernels.ATTENTION].startswith("SDPA")
+    plan = kernel_plan.plan(cuda=True)
+    assert plan["fpmamba scan"].startswith("PyTorch (chunked") and plan[kernel_plan.ATTENTION].startswith("SDPA")
 
 
 def test_on_cpu():
-    assert kernels.plan(cuda=False) == {kernels.ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)"}
-    assert kernels.describe().startswith("kernels on cpu: attention (attn, fpsa, looped")
+    assert kernel_plan.plan(cuda=False) == {kernel_plan.ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)"}
+    assert kernel_plan.describe().startswith("kernels on cpu: attention (attn, fpsa, looped")
 
 
 def test_the_counter():
