@@ -66,7 +66,7 @@ def _triton_fits(x: torch.Tensor, A: torch.Tensor) -> bool:
 
 def triton_scan_for(x: torch.Tensor, A: torch.Tensor):
     """fpscale's Triton scan for this input, or None for the PyTorch scan: on CUDA (float32, bfloat16,
-    float16; d_state <= 256), and on CPU when its kernels are interpreted and FPSCALE_TRITON_SCAN=1."""
+    float16; d_state <= 128), and on CPU when its kernels are interpreted and FPSCALE_TRITON_SCAN=1."""
     interpreted = TRITON_INTERPRET and os.environ.get("FPSCALE_TRITON_SCAN") == "1"
     return wanted_kernel("FPSCALE_TRITON_SCAN", TRITON_SCAN, TRITON_SCAN_ERROR,
                          (x.is_cuda or interpreted) and _triton_fits(x, A), "fpscale's Triton scan", "triton",
@@ -83,7 +83,7 @@ def _warn_pytorch_on_gpu(x: torch.Tensor, A: torch.Tensor) -> None:
         why, fix = "FPSCALE_TRITON_SCAN=0", "unset FPSCALE_TRITON_SCAN"
     elif not _triton_fits(x, A):
         why = f"{str(x.dtype).removeprefix('torch.')} inputs, d_state {A.shape[-1]}"
-        fix = "give the scan float32 or bfloat16 inputs and d_state <= 256"
+        fix = f"give the scan float32 or bfloat16 inputs and d_state <= {scan_triton.MAX_D_STATE}"
     else:
         why = "triton is not installed"
         fix = "install triton (pip install triton; a CUDA torch wheel brings it)"

@@ -219,7 +219,7 @@ def test_bad_input_is_a_clear_error():
         check(*(t.double() for t in (x, dt, A, B, C)), None)
     with pytest.raises(ValueError, match="non-empty"):
         check(x[:, :0], dt[:, :0], A, B[:, :0], C[:, :0], None)
-    with pytest.raises(ValueError, match="d_state <= 256"):
+    with pytest.raises(ValueError, match="d_state <= 128"):
         check(x, dt, torch.zeros(6, 300), torch.zeros(2, 4, 300), torch.zeros(2, 4, 300), None)
     check(x, dt, A, B, C, h0)                              # and good input passes
 
