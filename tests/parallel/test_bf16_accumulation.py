@@ -166,3 +166,20 @@ def test_every_zero_stage_trains_bf16_saves_and_resumes_exactly(tmp_path, zero):
     for step in got:
         assert got[step]["loss"] == want[step]["loss"], (zero, step)
         assert got[step]["grad_norm"] == want[step]["grad_norm"], (zero, step)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_bf16_zero1_checkpoint_resumes_on_zero2_through_a_universal_checkpoint(tmp_path):
+    """ZeRO-1 in bf16 now saves BF16_Optimizer's shards; DeepSpeed's universal checkpoint still
+    converts them, and ZeRO-2 continues the run where ZeRO-1 left it."""
+    pretrain(tmp_path, "zero1", 1)
+    tag = "step_00000002"
+    os.makedirs(tmp_path / "zero2" / "checkpoints")
+    shutil.copytree(tmp_path / "zero1" / "checkpoints" / tag, tmp_path / "zero2" / "checkpoints" / tag)
+    proc = pretrain(tmp_path, "zero2", 2)
+    assert "through a universal checkpoint" in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-3000:]
+    got, want = train_records(tmp_path / "zero2"), train_records(tmp_path / "zero1")
+    assert sorted(got) == [3, 4]
+    for step in got:             # bf16 forward on the same weights; fp32 reductions in another order
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3), step
