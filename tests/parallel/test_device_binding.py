@@ -24,10 +24,10 @@ DEEPSPEED = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2
 
 def slurm_env(monkeypatch, localid: int, visible: str) -> dict:
     """The variables env_from_slurm leaves for task 3 (node-local id ``localid``) of a 4-task job."""
-    for name in list(os.environ):
-        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") \
-                or name.startswith(("SLURM_", "OMPI_")):
-            monkeypatch.delenv(name)
+    for name in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "FPSCALE_LOCAL_RANK"} | {n for n in os.environ if n.startswith(("SLURM_", "OMPI_"))}:
+        monkeypatch.setenv(name, "")       # recorded: what env_from_slurm / init_parallel set is undone after
+        monkeypatch.delenv(name)
     for name, value in {"SLURM_PROCID": "3", "SLURM_LOCALID": str(localid), "SLURM_NTASKS": "4",
                         "SLURM_JOB_ID": "7", "MASTER_ADDR": "10.0.0.1", "CUDA_VISIBLE_DEVICES": visible}.items():
         monkeypatch.setenv(name, value)
@@ -84,6 +84,25 @@ def test_no_gpu_is_the_cpu_and_changes_nothing():
 def test_a_process_without_a_gpu_of_its_own_is_a_layout_error(env, visible, message):
     with pytest.raises(LayoutError, match=message):
         bind_device(env, visible)
+
+
+def test_init_parallel_tells_deepspeed_and_keeps_the_node_local_id_across_calls(monkeypatch):
+    """init_parallel applies bind_device to os.environ; a second call in the same process (several
+    Trainers in one process) binds the same device and still knows the task's node-local id."""
+    import torch.distributed as dist
+
+    from fpscale.parallel import state as state_module
+    slurm_env(monkeypatch, localid=1, visible="1")
+    monkeypatch.setattr(state_module, "_rebound", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)            # no process group: groups are stubs
+    monkeypatch.setattr(dist, "new_group", lambda *args, **kwargs: None)
+    for _ in range(2):
+        state = state_module.init_parallel()
+        assert (str(state.device), state.local_rank, state.rank, state.world_size) == ("cuda:0", 1, 3, 4)
+        assert os.environ["LOCAL_RANK"] == "0" and os.environ["FPSCALE_LOCAL_RANK"] == "1"
 
 
 # -- two ranks started as srun starts them, each bound as the scheduler would bind it ----------------
