@@ -183,3 +183,30 @@ def test_a_bf16_zero1_checkpoint_resumes_on_zero2_through_a_universal_checkpoint
     assert sorted(got) == [3, 4]
     for step in got:             # bf16 forward on the same weights; fp32 reductions in another order
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3), step
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_memory_cost_per_zero_stage(tmp_path):
+    """The figures of docs/parallel.md "bf16", per rank, counted as live tensor bytes on CPU
+    (run_bf16_memory.py: tiny_attn d_model 128, P = 812,160 parameters, N = 2 ranks, 2 micro-batches
+    per rank; peak = the largest count at a micro-batch boundary of a step, after the first)."""
+    torchrun(2, "tests/parallel/run_bf16_memory.py", [str(tmp_path)], timeout=600)
+    report = read_ranks(str(tmp_path))[0]
+    P, N = report["zero1"]["old"]["params"], report["zero1"]["old"]["dp"]
+    bucket = 500_000_000          # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
+    print(json.dumps({z: {v: {k: r[k] for k in ("init", "peak", "after")} for v, r in runs.items()}
+                      for z, runs in report.items()}))
+    old, new = report["zero0"]["old"], report["zero0"]["new"]       # fp32 reduction, no fp32 accumulation
+    assert [new[k] - old[k] for k in ("init", "peak", "after")] == [0, 0, 0]
+    old, new = report["zero1"]["old"], report["zero1"]["new"]
+    assert (old["optimizer"], new["optimizer"]) == ("DeepSpeedZeroOptimizer", "BF16_Optimizer")
+    assert new["init"] - old["init"] == pytest.approx(4 * P, rel=0.01)       # a whole fp32 gradient buffer
+    assert new["after"] - old["after"] == pytest.approx(4 * P, rel=0.01)
+    assert old["peak"] - old["after"] > 2 * bucket > new["peak"]              # no bf16 reduce bucket any more
+    old, new = report["zero2"]["old"], report["zero2"]["new"]
+    assert new["peak"] - old["peak"] == pytest.approx(2 * P / N, rel=0.05)    # the gradient partition in fp32
+    assert new["after"] == old["after"]
+    old, new = report["zero3"]["old"], report["zero3"]["new"]
+    for k in ("init", "peak", "after"):           # the gradient partition and the reduce bucket in fp32
+        assert new[k] - old[k] == pytest.approx(2 * P / N + 2 * bucket, rel=1e-4), k
