@@ -25,6 +25,7 @@ import torch
 
 from fpscale.models import kernels, scan_kernels, scan_triton
 from fpscale.models.scan import reference_selective_scan, selective_scan
+from tests.models.test_scan import inputs as float64_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,15 +64,11 @@ def test_the_triton_scan_under_the_interpreter_slow_cases():
 
 
 def inputs(T, c=6, n=5, batch=2, seed=0, dtype=torch.float32, strong=False):
-    """Rounded to ``dtype`` once, so the float64 reference sees exactly what the kernel sees."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, T, c, generator=g, dtype=torch.float64)
-    dt = torch.rand(batch, T, c, generator=g, dtype=torch.float64) * (30.0 if strong else 0.5)
-    A = -torch.rand(c, n, generator=g, dtype=torch.float64) * (30.0 if strong else 2.0)
-    B, C = (torch.randn(batch, T, n, generator=g, dtype=torch.float64) for _ in range(2))
-    h0 = torch.randn(batch, c, n, generator=g, dtype=torch.float64)
-    w = torch.randn(batch, T, c, generator=g, dtype=torch.float64)      # the loss's weights: g_t
-    return [t.to(dtype) for t in (x, dt, A, B, C, h0)], w.to(dtype)
+    """test_scan's float64 inputs (x, dt, A, B, C, h0) and the loss's weights g_t, rounded to ``dtype``
+    once, so the float64 reference sees exactly what the kernel sees."""
+    tensors = float64_inputs(T, c, n, batch, seed, strong)
+    w = torch.randn(batch, T, c, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return [t.to(dtype) for t in tensors], w.to(dtype)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
