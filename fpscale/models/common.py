@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fpscale.models import kernels
+from fpscale.models.kernels import counting as counting_kernels
+from fpscale.models.kernels import ran as record_kernel
 
 
 class TPSplit(NamedTuple):
@@ -236,9 +237,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q, scale = q * scale.view(1, -1, 1, 1).to(q.dtype), 1.0
         out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                     softmax_scale=scale, dropout_p=dropout_p)
-        kernels.ran("attention", "flash-attn")
+        record_kernel("attention", "flash-attn")
         return out.transpose(1, 2)
-    kernels.ran("attention", sdpa_label(q, k, v))
+    if counting_kernels():           # (the label's string work would break a torch.compile graph)
+        record_kernel("attention", sdpa_label(q, k, v))
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
         q = q * scale.view(1, -1, 1, 1).to(q.dtype)
         scale = 1.0

@@ -7,19 +7,30 @@ reached it in, since SDPA's flash backend takes only fp16/bf16) and FP-Mamba's s
 smoke script report these counts, so a row labelled "flash" is one where flash-attn ran. What each
 layer type will run on this machine, before anything runs: ``fpscale.models.kernel_plan``.
 
-    from fpscale.models import kernels
     kernels.reset(); model(x); print(kernels.summary())     # e.g. "attention: flash-attn x12; scan: triton x6"
+
+(The bundled Hugging Face export rewrites every "from fpscale..." line of a module it carries, docstrings
+too: keep usage examples in that form out of them.)
 """
 from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 CALLS: Counter = Counter()         # (op, kernel) -> calls since the last reset
+
+
+def counting() -> bool:
+    """False while torch.compile traces (``solver.compile``): a Python-side count there would break
+    the graph, and the compiled code runs whatever kernels Inductor emitted, so it is not counted."""
+    return not torch.compiler.is_compiling()
 
 
 def ran(op: str, kernel: str) -> None:
     """Record one call of ``kernel`` for ``op`` ("attention", "scan")."""
-    CALLS[(op, kernel)] += 1
+    if counting():
+        CALLS[(op, kernel)] += 1
 
 
 def reset() -> None:

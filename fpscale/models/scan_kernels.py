@@ -27,9 +27,11 @@ import os
 import torch
 
 from fpscale.log import get_logger
-from fpscale.models import kernels, scan_triton
 from fpscale.models.common import load_optional, wanted_kernel
+from fpscale.models.kernels import ran as record_kernel
 from fpscale.models.scan import selective_scan
+from fpscale.models.scan_triton import AVAILABLE, DTYPES, INTERPRET, MAX_D_STATE, triton_selective_scan
+from fpscale.models.scan_triton import TRITON_SCAN_ERROR as TRITON_IMPORT_ERROR
 
 log = get_logger(__name__)
 
@@ -42,14 +44,14 @@ def load_mamba_scan():
 def load_triton_scan():
     """(triton_selective_scan, None), or None and why not: (None, None) without triton, (None, the
     exception) when triton is installed but fails to import."""
-    if scan_triton.AVAILABLE:
-        return scan_triton.triton_selective_scan, None
-    return None, scan_triton.TRITON_SCAN_ERROR
+    if AVAILABLE:
+        return triton_selective_scan, None
+    return None, TRITON_IMPORT_ERROR
 
 
 MAMBA_SCAN, MAMBA_SCAN_ERROR = load_mamba_scan()
 TRITON_SCAN, TRITON_SCAN_ERROR = load_triton_scan()
-TRITON_INTERPRET = scan_triton.INTERPRET        # the Triton scan's kernels run in the interpreter
+TRITON_INTERPRET = INTERPRET        # the Triton scan's kernels run in the interpreter
 _warned = False                                 # the PyTorch-on-GPU warning, once per process
 
 
@@ -61,7 +63,7 @@ def mamba_scan_for(x: torch.Tensor, h0: torch.Tensor | None):
 
 
 def _triton_fits(x: torch.Tensor, A: torch.Tensor) -> bool:
-    return x.dtype in scan_triton.DTYPES and A.shape[-1] <= scan_triton.MAX_D_STATE
+    return x.dtype in DTYPES and A.shape[-1] <= MAX_D_STATE
 
 
 def triton_scan_for(x: torch.Tensor, A: torch.Tensor):
@@ -83,7 +85,7 @@ def _warn_pytorch_on_gpu(x: torch.Tensor, A: torch.Tensor) -> None:
         why, fix = "FPSCALE_TRITON_SCAN=0", "unset FPSCALE_TRITON_SCAN"
     elif not _triton_fits(x, A):
         why = f"{str(x.dtype).removeprefix('torch.')} inputs, d_state {A.shape[-1]}"
-        fix = f"give the scan float32 or bfloat16 inputs and d_state <= {scan_triton.MAX_D_STATE}"
+        fix = f"give the scan float32 or bfloat16 inputs and d_state <= {MAX_D_STATE}"
     else:
         why = "triton is not installed"
         fix = "install triton (pip install triton; a CUDA torch wheel brings it)"
@@ -99,15 +101,15 @@ def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
     y [B, T, c] and the last state [B, c, n], by mamba-ssm, the Triton scan or PyTorch (module doc)."""
     mamba = mamba_scan_for(x, h0)
     if mamba is not None:
-        kernels.ran("scan", "mamba-ssm")
+        record_kernel("scan", "mamba-ssm")
         y, last = mamba(*(t.transpose(1, 2).contiguous() for t in (x, dt)), A.contiguous(),
                         *(t.transpose(1, 2).contiguous() for t in (B, C)), return_last_state=True)
         return y.transpose(1, 2), last.detach()
     triton_scan = triton_scan_for(x, A)
     if triton_scan is not None:
-        kernels.ran("scan", "triton")
+        record_kernel("scan", "triton")
         return triton_scan(x, dt, A, B, C, h0)
     if x.is_cuda:
         _warn_pytorch_on_gpu(x, A)
-    kernels.ran("scan", "pytorch")
+    record_kernel("scan", "pytorch")
     return selective_scan(x, dt, A, B, C, h0)
