@@ -151,6 +151,12 @@ class Trainer:
         self.heartbeat = None             # names a rank that vanishes (fpscale/parallel/heartbeat.py)
         if self.state.distributed:
             self.heartbeat = Heartbeat.start(self.state.rank, self.state.world_size, cfg.parallel.timeout_s)
+        if t.micro_batch == "auto":       # the largest that fits this device (fpscale.train.memory_plan)
+            from fpscale.train.memory_plan import auto_micro_batch
+            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device)
+            cfg._check_solvers(t.micro_batch)
+            if self.state.is_main and log:
+                logger.info("train.micro_batch: auto -> %d (the largest that fits, fpscale-plan)", t.micro_batch)
         self.batch = resolve_batch(t, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
         if self.state.is_main and log:
