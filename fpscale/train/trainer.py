@@ -92,7 +92,15 @@ def collect_layer_stats(model, into: dict[str, list]) -> None:
 
 
 def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
-    return {name: [s.to_dict() for s in rows] for name, rows in window.items()}
+    """Every layer's statistics of a log interval as dictionaries, read from the device in one
+    synchronisation for all of them (``fpscale.solvers.stats.to_dicts``)."""
+    from fpscale.solvers.stats import to_dicts
+    names = list(window)
+    flat = to_dicts([s for name in names for s in window[name]])
+    out, at = {}, 0
+    for name in names:
+        out[name], at = flat[at:at + len(window[name])], at + len(window[name])
+    return out
 
 
 def validation_lines(record: dict) -> list[str]:
