@@ -10,6 +10,7 @@ from typing import Literal
 
 from fpscale.errors import check
 from fpscale.models.attn import AttnSpec
+from fpscale.models.checkpointing import check_mode
 from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
 from fpscale.models.fpsa import FPSASpec
@@ -56,6 +57,8 @@ class ModelConfig:
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
     # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
+    checkpoint: str = "none"      # none | mlp | block: recompute plain sublayers in backward
+    # (fpscale.models.checkpointing); model.layers.N.checkpoint overrides it per entry
     layers: list[LayerSpec] = field(default_factory=lambda: [AttnSpec(repeat=2)])
     iteration_cap: IterationCap = field(default_factory=IterationCap)
 
@@ -76,7 +79,10 @@ class ModelConfig:
               f"must be >= 0 (tokens per chunk of the loss; 0: the plain head), got {self.loss_chunk}")
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")
+        check_mode(self.checkpoint, f"{prefix}.checkpoint")
         for i, spec in enumerate(self.layers):
+            if spec.checkpoint is not None:
+                check_mode(spec.checkpoint, f"{prefix}.layers.{i}.checkpoint")
             spec.validate_in(self, f"{prefix}.layers.{i}")
 
     def expanded_layers(self) -> list[LayerSpec]:
