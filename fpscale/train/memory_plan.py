@@ -24,7 +24,8 @@ whether bf16 gradients are accumulated and reduced in fp32):
   activations  bytes saved for backward by each layer and by the loss head, per token, measured by
                autograd's saved-tensor hooks (fpscale.profiling.count_saved_bytes) on the real
                layer code at small sizes and fitted linear in tokens (and tokens x T: attention
-               that saves T x T); the head also by its peak of live tensors in its own forward and
+               that saves T x T; a per-sequence term); the head, at the real vocabulary of a rank
+               and either side of a chunk, also by its peak of live tensors in its own forward and
                backward (its transient: the logits, or one chunk of them)
   slack        x 1.10 on the whole (the caching allocator's rounding and fragmentation), plus
                1 GiB outside it (CUDA context, cuBLAS and NCCL workspaces)
@@ -177,46 +178,49 @@ def calibrate_layer(cfg, spec, unroll: bool = False) -> LayerFit:
 
 @dataclass
 class HeadFit:
-    """The loss head (final norm, output layer, cross-entropy, through ``LoopedLM.forward``):
-    ``saved`` and ``peak`` bytes = N x (a + b x V) + min(N, chunk) x c x V, with V the vocabulary
-    of one TP rank and chunk ``model.loss_chunk`` (0: no chunks, c folds into b)."""
+    """The loss head (final norm, output layer, cross-entropy, through ``LoopedLM.forward``) at the
+    vocabulary of one TP rank: ``saved`` and ``peak`` bytes = a x N + c x min(N, chunk) + const,
+    chunk ``model.loss_chunk`` (0: no chunks, the head is linear in N)."""
     saved: tuple[float, float, float]
     peak: tuple[float, float, float]
     chunk: int
 
-    def bytes(self, which: str, n: int, vocab: int) -> float:
-        a, b, c = getattr(self, which)
-        return max(0.0, n * (a + b * vocab) + min(n, self.chunk or n) * c * vocab)
+    def bytes(self, which: str, n: int) -> float:
+        a, c, const = getattr(self, which)
+        return max(0.0, a * n + c * min(n, self.chunk or n) + const)
 
 
-def calibrate_head(cfg) -> HeadFit:
+def calibrate_head(cfg, vocab: int) -> HeadFit:
+    """Measured at the real ``vocab`` (the logits decide), at token counts either side of a chunk."""
     from fpscale.models import build_model
     from fpscale.models.registry import layer_spec
     chunk = int(getattr(cfg.model, "loss_chunk", 0) or 0)
-    points = [(256, 512), (2 * chunk, 512), (2 * chunk, 1024)] if chunk else [(256, 512), (512, 1024)]
+    points = [chunk // 2, chunk, 2 * chunk] if chunk else [512, 1024, 2048]
     rows, saved_vals, peak_vals = [], [], []
-    for n, vocab in points:
-        small = copy.deepcopy(cfg)
-        small.model.vocab_size = vocab
-        small.model.layers = [layer_spec("attn")]
-        torch.manual_seed(0)
-        model = build_model(small).to(_dtype(cfg)).train()
-        model.layers, model.layer_types = torch.nn.ModuleList(), []
+    small = copy.deepcopy(cfg)
+    small.model.vocab_size = vocab
+    small.model.layers = [layer_spec("attn")]
+    torch.manual_seed(0)
+    model = build_model(small).to(_dtype(cfg)).train()
+    model.layers, model.layer_types = torch.nn.ModuleList(), []
+    params = tuple(model.parameters())
+    for n in points:
         rows_of = min(64, cfg.model.max_seq_len)           # the head is per token: any [B, T] of N
         n = -(-n // rows_of) * rows_of
         tokens = torch.randint(0, vocab, (n // rows_of, rows_of))
         targets = torch.randint(0, vocab, (n // rows_of, rows_of))
-        params = tuple(model.parameters())
+        model.zero_grad(set_to_none=True)
         with LivePeak() as live:
             with count_saved_bytes(exclude=params) as saved:
                 loss = model(tokens, targets=targets)
             loss.backward()
-        rows.append((n, n * vocab, min(n, chunk or n) * vocab) if chunk else (n, n * vocab))
+        rows.append((n, min(n, chunk or n), 1.0) if chunk else (n, 1.0))
         saved_vals.append(saved.total)
         peak_vals.append(live.peak - sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None))
     if chunk:
         return HeadFit(tuple(_fit(rows, saved_vals)), tuple(_fit(rows, peak_vals)), chunk)
-    return HeadFit((*_fit(rows, saved_vals), 0.0), (*_fit(rows, peak_vals), 0.0), 0)
+    (a, c), (pa, pc) = _fit(rows, saved_vals), _fit(rows, peak_vals)
+    return HeadFit((a, 0.0, c), (pa, 0.0, pc), 0)
 
 
 # -- model states ---------------------------------------------------------------------------
@@ -305,8 +309,8 @@ class Plan:
         for fit in (self.unroll_layers if unroll and self.unroll_layers else self.layers):
             out[fit.kind] = out.get(fit.kind, 0.0) + fit.count * fit.bytes(B, self.seq_len)
         n = B * self.seq_len
-        out["head (saved)"] = self.head.bytes("saved", n, self.vocab_per_rank)
-        out["head (peak)"] = max(self.head.bytes("peak", n, self.vocab_per_rank), out["head (saved)"])
+        out["head (saved)"] = self.head.bytes("saved", n)
+        out["head (peak)"] = max(self.head.bytes("peak", n), out["head (saved)"])
         return out
 
     def total(self, B: int, unroll: bool = False) -> float:
@@ -366,7 +370,8 @@ def plan(cfg, gpus: int, gpu_memory_gib: float, unroll: bool = True) -> Plan:
         if all(a.mode == b.mode for a, b in zip(layers, unrolled)):
             unrolled = []
     return Plan(gpus, gpu_memory_gib, tp, gpus // tp, cfg.data.seq_len, math.ceil(cfg.model.vocab_size / tp),
-                model_states(cfg, gpus // tp), layers, calibrate_head(cfg), unrolled)
+                model_states(cfg, gpus // tp), layers, calibrate_head(cfg, math.ceil(cfg.model.vocab_size / tp)),
+                unrolled)
 
 
 def auto_micro_batch(cfg, dp_size: int, device: torch.device) -> int:
