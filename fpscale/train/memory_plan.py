@@ -170,10 +170,12 @@ def calibrate_layer(cfg, spec, unroll: bool = False) -> LayerFit:
         vals.append(saved)
     per_token, per_sequence, const = _fit(rows, vals)
     worst = max(abs(n * per_token + b * per_sequence + const - v) / v for (n, b, _), v in zip(rows, vals))
-    if worst <= 0.02:          # linear in tokens; else a T x T term too (attention saving its scores)
-        return LayerFit(spec.type, spec.repeat, mode, per_token, per_sequence=per_sequence)
-    per_token, per_token_T, _ = _fit([(n, n * T, 1.0) for (n, _, _), (_, T) in zip(rows, CALIBRATION)], vals)
-    return LayerFit(spec.type, spec.repeat, mode, per_token, per_token_T)
+    if worst > 0.02:           # not linear in tokens: a T x T term too (attention saving its scores)?
+        rows_T = [(n, n * T, b, 1.0) for (n, b, _), (_, T) in zip(rows, CALIBRATION)]
+        fit_T = _fit(rows_T, vals)
+        if fit_T[1] > 0:       # only a growing term; a shrinking one is no T x T (keep the linear fit)
+            return LayerFit(spec.type, spec.repeat, mode, fit_T[0], fit_T[1], per_sequence=fit_T[2])
+    return LayerFit(spec.type, spec.repeat, mode, per_token, per_sequence=per_sequence)
 
 
 @dataclass
