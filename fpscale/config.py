@@ -46,7 +46,8 @@ class Config:
             check(tokens % seq == 0, "train.global_batch_tokens",
                   f"must be a whole number of sequences of data.seq_len {seq}: {tokens} / {seq} = {tokens / seq:g}")
             self.train.global_batch = tokens // seq
-        self._check_solvers(self.train.micro_batch)
+        if self.train.micro_batch != "auto":        # auto: checked when the trainer resolves it
+            self._check_solvers(self.train.micro_batch)
 
     def check_micro_batch(self, micro_batch: int) -> None:
         """Warn where a layout's micro-batch (``resolve_batch``, smaller than ``train.micro_batch``)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fpscale.models.checkpointing import applies, layer_mode, recompute
 from fpscale.models.common import (
     MLP,
     RMSNorm,
@@ -73,7 +74,13 @@ class Attention(torch.nn.Module):
 
 
 class AttnBlock(torch.nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + MLP(norm(x)). Subclasses swap the attention."""
+    """Pre-norm block: x + attention(norm(x)), then x + MLP(norm(x)). Subclasses swap the attention.
+
+    ``checkpoint`` (fpscale.models.checkpointing): ``mlp`` recomputes the MLP sublayer in backward,
+    ``block`` the whole block; a subclass whose attention is a solve (``looped_attention``) never
+    recomputes it: ``block`` then recomputes the MLP sublayer only."""
+
+    looped_attention = False
 
     def __init__(self, cfg, spec, solver=None):
         super().__init__()
@@ -83,11 +90,27 @@ class AttnBlock(torch.nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
         self.dropout = cfg.dropout
+        self.checkpoint = layer_mode(cfg, spec)
 
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout)
 
+    def attn_sublayer(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
+                      pad: torch.Tensor | None = None) -> torch.Tensor:
+        return x + F.dropout(self.attn(self.norm1(x), pos, cache, pad), self.dropout, self.training)
+
+    def mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)
+
+    def plain(self, x: torch.Tensor, pos: int, pad: torch.Tensor | None) -> torch.Tensor:
+        return self.mlp_sublayer(self.attn_sublayer(x, pos, None, pad))
+
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + F.dropout(self.attn(self.norm1(x), pos, cache, pad), self.dropout, self.training)
-        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)
+        mode = self.checkpoint if applies(cache) else "none"
+        if mode == "block" and not self.looped_attention:
+            return recompute(self.plain, (self.attn, self.mlp), x, pos, pad)
+        x = self.attn_sublayer(x, pos, cache, pad)
+        if mode == "none":
+            return self.mlp_sublayer(x)
+        return recompute(self.mlp_sublayer, (self.mlp,), x)

@@ -10,6 +10,7 @@ from typing import Literal
 
 from fpscale.errors import check
 from fpscale.models.attn import AttnSpec
+from fpscale.models.checkpointing import check_mode
 from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
 from fpscale.models.fpsa import FPSASpec
@@ -51,9 +52,13 @@ class ModelConfig:
     embed_scale: float = 1.0      # token embeddings enter the stack times this (the tied output layer
     # reads the table unscaled); Epsilon's authors use sqrt(d_model): its CenterNorm keeps the scale
     tie_embeddings: bool = True
+    loss_chunk: int = 4096        # the loss from the hidden states this many tokens at a time, never the
+    # whole logits (fpscale.models.chunked_loss: same value and gradients); 0: logits, then their loss
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
     # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
+    checkpoint: str = "none"      # none | mlp | block: recompute plain sublayers in backward
+    # (fpscale.models.checkpointing); model.layers.N.checkpoint overrides it per entry
     layers: list[LayerSpec] = field(default_factory=lambda: [AttnSpec(repeat=2)])
     iteration_cap: IterationCap = field(default_factory=IterationCap)
 
@@ -70,9 +75,14 @@ class ModelConfig:
             check(0.0 <= value < 1.0, f"{prefix}.{name}", f"must lie in [0, 1), got {value}")
         check(self.embed_scale > 0, f"{prefix}.embed_scale", f"must be > 0, got {self.embed_scale}")
         check(self.mlp_ratio > 0, f"{prefix}.mlp_ratio", f"must be > 0, got {self.mlp_ratio}")
+        check(self.loss_chunk >= 0, f"{prefix}.loss_chunk",
+              f"must be >= 0 (tokens per chunk of the loss; 0: the plain head), got {self.loss_chunk}")
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")
+        check_mode(self.checkpoint, f"{prefix}.checkpoint")
         for i, spec in enumerate(self.layers):
+            if spec.checkpoint is not None:
+                check_mode(spec.checkpoint, f"{prefix}.layers.{i}.checkpoint")
             spec.validate_in(self, f"{prefix}.layers.{i}")
 
     def expanded_layers(self) -> list[LayerSpec]:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.errors import check
+from fpscale.models.checkpointing import applies, layer_mode, recompute
 from fpscale.models.common import (
     MLP,
     RMSNorm,
@@ -228,7 +229,8 @@ class FPMambaMixer(FixedPointLayer):
 
 
 class FPMambaBlock(torch.nn.Module):
-    """x + mixer(norm(x)); with ``mlp``, then x + MLP(norm(x)) (the MLP runs once, after the solve)."""
+    """x + mixer(norm(x)); with ``mlp``, then x + MLP(norm(x)) (the MLP runs once, after the solve:
+    what ``checkpoint: mlp`` or ``block`` recomputes in backward; the solve never runs again)."""
 
     def __init__(self, cfg, spec, solver):
         super().__init__()
@@ -237,10 +239,16 @@ class FPMambaBlock(torch.nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if spec.mlp else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
+        self.checkpoint = layer_mode(cfg, spec)
+
+    def mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         x = x + F.dropout(self.mixer(self.norm(x), pos, cache, pad), self.dropout, self.training)
         if self.mlp is None:
             return x
-        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+        if self.checkpoint != "none" and applies(cache):
+            return recompute(self.mlp_sublayer, (self.mlp,), x)
+        return self.mlp_sublayer(x)

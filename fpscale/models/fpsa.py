@@ -167,7 +167,10 @@ class FPSAttention(FixedPointLayer):
 
 
 class FPSABlock(AttnBlock):
-    """The attn block with fixed-point self-attention; the MLP stays outside the loop."""
+    """The attn block with fixed-point self-attention; the MLP stays outside the loop (the part
+    ``checkpoint: mlp`` or ``block`` recomputes: the solve is never run again in backward)."""
+
+    looped_attention = True
 
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return FPSAttention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, solver,

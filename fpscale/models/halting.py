@@ -90,15 +90,27 @@ class HaltingStats:
         p = self.distribution
         return (p * torch.arange(1, p.shape[-1] + 1, device=p.device, dtype=p.dtype)).sum(-1)
 
-    def to_dict(self) -> dict:
+    def summary(self) -> torch.Tensor:
+        """Every number of ``to_dict`` as one float64 device tensor (fpscale.solvers.stats.to_dicts
+        reads a log interval's statistics in one synchronisation): [p50, p90, depth mean, halt
+        step mean, kl, halted by step (max_iter), (bin entropy)]."""
         depth = self.expected_depth.float().flatten()
-        q = torch.quantile(depth, torch.tensor([0.5, 0.9], dtype=depth.dtype, device=depth.device)).tolist()
+        q = torch.quantile(depth, torch.tensor([0.5, 0.9], dtype=depth.dtype, device=depth.device))
         steps = torch.arange(1, self.max_iter + 1, device=self.halt_step.device)
-        halted = (self.halt_step[..., None] <= steps).float().flatten(0, -2).mean(0).tolist()
-        out = {"kind": "halting", "iterations": self.iterations, "max_iter": self.max_iter,
-               "depth_mean": float(depth.mean()), "depth_p50": q[0], "depth_p90": q[1],
-               "halt_step_mean": float(self.halt_step.float().mean()), "halted_by_step": halted,
-               "kl": float(self.kl)}
+        halted = (self.halt_step[..., None] <= steps).float().flatten(0, -2).mean(0)
+        parts = [q, depth.mean().view(1), self.halt_step.float().mean().view(1), self.kl.reshape(1), halted]
         if self.bin_entropy is not None:
-            out["bin_entropy"] = float(self.bin_entropy)
+            parts.append(self.bin_entropy.reshape(1))
+        return torch.cat([p.to(device=depth.device, dtype=torch.float64) for p in parts])
+
+    def from_summary(self, values: list[float]) -> dict:
+        out = {"kind": "halting", "iterations": self.iterations, "max_iter": self.max_iter,
+               "depth_mean": values[2], "depth_p50": values[0], "depth_p90": values[1],
+               "halt_step_mean": values[3], "halted_by_step": values[5:5 + self.max_iter],
+               "kl": values[4]}
+        if self.bin_entropy is not None:
+            out["bin_entropy"] = values[5 + self.max_iter]
         return out
+
+    def to_dict(self) -> dict:
+        return self.from_summary(self.summary().tolist())

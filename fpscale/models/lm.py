@@ -67,16 +67,17 @@ class LoopedLM(torch.nn.Module):
                 targets: torch.Tensor | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]; with ``targets``, the loss to minimise instead: the mean
         cross-entropy plus, in training, the looped layers' auxiliary losses (epsilon's halting
-        KL). ``last_losses`` keeps both parts of it apart, on the device.
+        KL). ``last_losses`` keeps both parts of it apart, on the device. With targets no logits
+        are made: the cross-entropy is chunked (``head_loss``, ``model.loss_chunk``).
 
         ``pad`` [B] (long) is each row's left padding, counted in positions from the start of
         the sequence (the same tensor at every decoding step): a padded row computes what the
         row alone computes (positions count from its first real token; padding is never read).
         Every layer type takes it as ``pad`` in its forward."""
-        logits = self.output(self.hidden(tokens, caches, pos, pad))
+        h = self.hidden(tokens, caches, pos, pad)
         if targets is None:
-            return logits
-        ce = self.cross_entropy(logits, targets)
+            return self.output(h)
+        ce = self.head_loss(h, targets)
         aux = self.aux_loss() if self.training else None
         self.last_losses = {"ce": ce.detach(), "aux": None if aux is None else aux.detach()}
         return ce if aux is None else ce + aux
@@ -91,6 +92,14 @@ class LoopedLM(torch.nn.Module):
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.head.loss(logits, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the final hidden states ``h`` [B, T, d]: by default chunked,
+        ``model.loss_chunk`` tokens at a time without the whole logits (LMHead.chunked_loss; the
+        same value and gradients); ``model.loss_chunk: 0`` makes the logits and takes their loss."""
+        if self.cfg.loss_chunk > 0:
+            return self.head.chunked_loss(h, self.head_weight(), targets, self.cfg.loss_chunk)
+        return self.cross_entropy(self.output(h), targets)
 
     @property
     def sharded_logits(self) -> bool:

@@ -42,10 +42,12 @@ if TYPE_CHECKING:
 @dataclass
 class LayerSpec:
     """One entry of ``model.layers``: ``type`` picks the registered dataclass, ``repeat`` copies
-    the entry (each copy has its own weights)."""
+    the entry (each copy has its own weights); ``checkpoint`` overrides ``model.checkpoint`` for
+    it (fpscale.models.checkpointing; None: the global mode)."""
 
     type: str
     repeat: int = 1
+    checkpoint: str | None = None
 
     looped: ClassVar[bool] = False       # True: a fixed-point layer, with a solver
 

@@ -4,6 +4,7 @@
     row_parallel_linear      W split by input columns: y = sum_ranks x_local W_local^T
     vocab_parallel_embedding the table split by vocabulary rows; the ranks' lookups are summed
     vocab_parallel_cross_entropy  CE over vocabulary-sharded logits; full logits never gathered
+    (VocabParallelLMHead.chunked_loss: the same from the hidden states, a chunk of tokens at a time)
     VocabParallelEmbedding, VocabParallelLMHead   the modules parallelize swaps into the model
     shard / unshard          a rank's slice of a whole tensor, and the whole from every slice
     global_grad_norm         the whole model's gradient norm from split and replicated parameters
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fpscale.models.chunked_loss import chunked_cross_entropy
 from fpscale.models.common import LMHead
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
 
@@ -157,3 +159,11 @@ class VocabParallelLMHead(LMHead):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group)
+
+    def chunked_loss(self, h: torch.Tensor, weight_local: torch.Tensor, targets: torch.Tensor,
+                     chunk: int) -> torch.Tensor:
+        """The vocabulary-parallel cross-entropy chunk by chunk: [chunk, V/tp] logits at a time,
+        their max, sum of exponentials and target logit all-reduced over the TP group; each rank's
+        part of grad_h is summed over the group by copy_to_tp."""
+        start = (0 if self.group is None else dist.get_rank(self.group)) * weight_local.shape[0]
+        return chunked_cross_entropy(copy_to_tp(h, self.group), weight_local, targets, chunk, self.group, start)

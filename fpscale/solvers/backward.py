@@ -47,7 +47,9 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
                              state_reduce=state_reduce)
         stats.backward_iterations = result.iterations
-        stats.backward_residual = float(result.token_res.max()) if result.token_res.numel() else 0.0
+        # a device scalar: read with the other statistics at a log step, never here
+        stats.backward_residual = (result.token_res.max() if result.token_res.numel()
+                                   else result.token_res.new_zeros(()))
         return result.z
 
     # The hook sits on an alias of fz that only the outer graph reaches: the adjoint's own

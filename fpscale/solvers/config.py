@@ -32,6 +32,10 @@ class SolverConfig:
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
+      check_every        read the stop decision on the host every N iterations (and at the cap);
+                         the iterations between are valid further iterates and count. 1 (default):
+                         every iteration. With no stop rule that can fire (tol 0, no eta_min stop
+                         within the cap) the solve reads once, at its end, whatever N
     Backward (docs/solver.md, "Backward modes"):
       backward           implicit | phantom | jfb | unroll
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
@@ -57,6 +61,7 @@ class SolverConfig:
     anderson: int = 0
     anderson_lambda: float = 1e-4
     eps: float = 1e-6
+    check_every: int = 1
     backward: BackwardMode = "implicit"
     phantom_steps: int = 4
     backward_max_iter: int = 40
@@ -83,6 +88,9 @@ class SolverConfig:
               f"must be below damping ({self.damping}), got {self.eta_min}: the solver would stop at once")
         check(self.anderson == 0 or self.anderson >= 2, key("anderson"),
               f"is the Anderson window: 0 (off) or >= 2, got {self.anderson}")
+        check(self.check_every >= 1, key("check_every"),
+              f"must be >= 1 (read the stop decision every N iterations; 1 = every iteration), "
+              f"got {self.check_every}")
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")

@@ -1,6 +1,6 @@
 """The fixed-point iteration shared by the forward solve and the adjoint solve.
 
-One loop, one host synchronisation per iteration (the stop decision):
+One loop, at most one host synchronisation per iteration (the stop decision):
   state                 z is kept in float32 (float64 stays float64) whatever dtype f computes in
   residual per token    r_t = ||f(z)_t - z_t|| / (||f(z)_t|| + eps)     (inf or l2 norm)
   residual per sample   r_b = max_t r_t;   sample b is converged when r_b < tol
@@ -18,6 +18,17 @@ over the group once per iteration (packed into one tensor, so one all-reduce). E
 (stopping, each sample's eta) is a function of the agreed flags, so all ranks take the same
 number of iterations with the same damping, even if their residuals differed in the last bit.
 The decision then reaches the host as one :class:`StopDecision` (the iteration's one sync).
+
+When the host reads it (``read_schedule``; docs/solver.md, "When the host reads the stop"):
+  eager        every iteration (``check_every: 1``, the default, with a stop rule that can fire)
+  check_every  every N-th iteration and at the cap: the iterations between run as the eager solve
+               would have run them had it not stopped (each is a valid further iterate); the solve
+               stops at the first read iteration whose own decision stops it
+  none         no stop rule can fire (``tol: 0`` and no eta_min stop within the cap): the cap runs
+               with no read inside the loop and one read at its end (non-finite or not)
+Between reads a non-finite residual is remembered on the device (``torch.where``): the iterate,
+residuals, damping and frozen tokens stay those of the last finite iteration, and the iteration
+count reports the one that went non-finite, as the eager solve does.
 """
 from __future__ import annotations
 
@@ -143,6 +154,16 @@ class StopDecision:
         return cls(int(n), bool(met), bool(stuck), bool(bad))
 
 
+    @classmethod
+    def read_lagged(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
+                    nonfinite: torch.Tensor, first_bad: torch.Tensor) -> tuple[StopDecision, int]:
+        """As ``read``, plus the iteration that first went non-finite since the solve began
+        (remembered on the device between reads), in the same one synchronisation."""
+        n, met, stuck, bad, k = torch.stack([unconverged.long(), quantile_met.long(), stalled.long(),
+                                             nonfinite.long(), first_bad.long()]).tolist()
+        return cls(int(n), bool(met), bool(stuck), bool(bad)), int(k)
+
+
 @dataclass
 class IterateResult:
     z: torch.Tensor               # the last iterate, in the solver's state dtype
@@ -156,6 +177,30 @@ class IterateResult:
 def quantile_limit(quantile: float, batch: int) -> int:
     """How many of ``batch`` samples may stay unconverged when the solve stops: floor(p * B)."""
     return math.floor(quantile * batch + 1e-9)
+
+
+def eta_min_stop_within(cfg: SolverConfig, cap: int) -> bool:
+    """Whether the eta_min stop could fire within ``cap`` iterations: every sample needs n decays
+    (damping * decay^n < eta_min) and each decay ``patience`` iterations without progress. A
+    conservative bound (a margin on eta_min, iteration 1 counted as if it could stagnate)."""
+    if cfg.patience <= 0 or cfg.eta_min <= 0:
+        return False
+    eta, decays = cfg.damping, 0
+    while eta >= cfg.eta_min * (1 + 1e-6):
+        eta *= cfg.decay
+        decays += 1
+    return decays * cfg.patience <= cap
+
+
+def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
+    """Every how many iterations the host reads the stop decision: ``cfg.check_every``, or None
+    when no stop rule can fire within ``cap`` (tol 0: no sample ever counts as converged, so
+    neither the quantile rule nor convergence can stop it; and no eta_min stop within the cap),
+    in which case the cap runs with one read at its end. A function of the config and the cap
+    alone: every rank of a tensor-parallel group reads at the same iterations."""
+    if cfg.tol <= 0 and not eta_min_stop_within(cfg, cap):
+        return None
+    return cfg.check_every
 
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
@@ -181,6 +226,10 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     token_res = torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev)
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
     limit = quantile_limit(quantile, B)
+    every = read_schedule(cfg, max_iter)
+    if every != 1:
+        return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
+                                 eta, best, patience_left, frozen, token_res, anderson)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
@@ -231,5 +280,73 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
             stopped_by = ("converged" if decision.unconverged == 0 else "quantile" if decision.quantile_met
                           else "eta_min")
             break
+    return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
+                         token_converged=token_res < tol, eta=eta)
+
+
+def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
+                      max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson) -> IterateResult:
+    """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
+    ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
+    a non-finite residual is remembered on the device and holds the state at its last finite
+    value (``alive``), so nothing but the scheduled reads waits for the device."""
+    tol, dtype, B = cfg.tol, z.dtype, z.shape[0]
+    alive = torch.ones((), dtype=torch.bool, device=z.device)       # no non-finite residual yet
+    first_bad = torch.full((), max_iter, dtype=torch.long, device=z.device)
+    stopped_by, k = "max_iter", 0
+    for k in range(1, max_iter + 1):
+        fz = step(z)
+        if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
+            got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
+            raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+        fz = fz.to(dtype)
+        with torch.no_grad():
+            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
+            res = torch.where(frozen, token_res, res)
+            if real is not None:
+                res = res.masked_fill(~real, 0.0)
+            sample_res = res.amax(1)
+            finite = torch.isfinite(sample_res)
+            flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < tol),
+                              no_progress=~(sample_res < best))
+            if consensus is not None:
+                flags = StopFlags.unpack(consensus(flags.pack()), B)
+            best = torch.where(flags.no_progress, best, sample_res)
+            if cfg.patience > 0:
+                patience_left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
+                decay_now = patience_left <= 0
+                next_eta = torch.where(decay_now, eta * cfg.decay, eta)
+                patience_left = torch.where(decay_now, cfg.patience, patience_left)
+            else:
+                next_eta = eta
+            first_bad = torch.where(alive & flags.nonfinite, k, first_bad)
+            alive = alive & ~flags.nonfinite
+        if anderson is not None:
+            z_next = anderson.step(z, fz, eta)
+        else:
+            step_eta = _per_sample(eta, z)
+            z_next = step_eta * fz + (1 - step_eta) * z
+        if cfg.freeze_converged:     # a frozen token, or every token once a residual went non-finite
+            z_next = torch.where(_per_token(frozen | ~alive, z), z, z_next)
+            frozen = torch.where(alive, frozen | (res < tol), frozen)
+        else:
+            z_next = torch.where(alive, z_next, z)
+        with torch.no_grad():
+            token_res = torch.where(alive, res.to(dtype), token_res)
+            eta = torch.where(alive, next_eta, eta)
+        z = z_next
+        if k == max_iter or (every is not None and k % every == 0):
+            with torch.no_grad():
+                n_unconverged = flags.unconverged.sum()
+                stalled = (flags.unconverged & ~(next_eta < cfg.eta_min)).sum() == 0
+                decision, bad_at = StopDecision.read_lagged(n_unconverged, n_unconverged <= limit, stalled,
+                                                            ~alive, first_bad)
+            if decision.nonfinite:
+                stopped_by, k = "nonfinite", bad_at
+                break
+            if every is not None and (decision.quantile_met or decision.stalled):
+                stopped_by = ("converged" if decision.unconverged == 0 else "quantile" if decision.quantile_met
+                              else "eta_min")
+                break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta)

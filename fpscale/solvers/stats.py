@@ -1,7 +1,10 @@
 """What one solve did: iterations, residuals, convergence, damping. Cheap to build.
 
-The tensors stay on the device until ``to_dict`` is called, so collecting statistics adds
-no host synchronisation to the solve itself.
+The tensors stay on the device until they are read: ``to_dict`` reads one object's in one
+host synchronisation, ``to_dicts`` reads a whole list of statistics objects (every layer's, every
+micro-batch's of a log interval) in one synchronisation for all of them. An object that takes
+part provides ``summary()`` (a 1-D tensor of every number its dictionary needs) and
+``from_summary(values)`` (the dictionary from those numbers, read back as a list of floats).
 """
 from __future__ import annotations
 
@@ -10,6 +13,26 @@ from dataclasses import dataclass
 import torch
 
 STOP_REASONS = ("converged", "quantile", "max_iter", "eta_min", "nonfinite")
+
+
+def to_dicts(rows: list) -> list[dict]:
+    """``[s.to_dict() for s in rows]`` with one host read for all of them: the ``summary()`` of
+    every object that has one is concatenated (in float64, on the first one's device) and read
+    with a single ``.tolist()``; an object without ``summary`` falls back to its ``to_dict``."""
+    parts = [s.summary() for s in rows if hasattr(s, "summary")]
+    if not parts:
+        return [s.to_dict() for s in rows]
+    device = parts[0].device
+    values = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
+    out, at, it = [], 0, iter(parts)
+    for s in rows:
+        if not hasattr(s, "summary"):
+            out.append(s.to_dict())
+            continue
+        n = next(it).numel()
+        out.append(s.from_summary(values[at:at + n]))
+        at += n
+    return out
 
 
 @dataclass
@@ -22,31 +45,50 @@ class SolverStats:
     final_eta: torch.Tensor         # [B] damping factor per sample when the solve ended
     tol: float                      # the tolerance applied (raised to the dtype's floor in bf16)
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
-    backward_residual: float | None = None
+    backward_residual: torch.Tensor | float | None = None   # adjoint's largest residual (a device scalar)
 
     @property
     def nonfinite(self) -> bool:
         return self.stopped_by == "nonfinite"
 
-    def to_dict(self) -> dict:
+    def summary(self) -> torch.Tensor:
+        """[p50, p90, max, converged fraction, token converged fraction, eta mean, eta lowest,
+        (backward residual)] on the device, float64 (the statistics are computed in float32)."""
         r = self.sample_residual.float()
-        finite = r[torch.isfinite(r)]
-        q = (torch.quantile(finite, torch.tensor([0.5, 0.9], dtype=finite.dtype, device=finite.device)).tolist()
-             if finite.numel() else [float("nan"), float("nan")])
+        dev = r.device
+        if r.numel():
+            # quantiles of the finite residuals (NaN when none is finite), without a data-dependent
+            # shape: masking them out would make the device report how many there are
+            q = torch.nanquantile(torch.where(torch.isfinite(r), r, float("nan")),
+                                  torch.tensor([0.5, 0.9], dtype=r.dtype, device=dev))
+            parts = [q, r.max().view(1), (r < self.tol).float().mean().view(1)]
+        else:
+            parts = [torch.full((3,), float("nan"), device=dev), torch.ones(1, device=dev)]
+        parts += [self.token_converged.float().mean().view(1), self.final_eta.float().mean().view(1),
+                  self.final_eta.min().view(1)]
+        if self.backward_iterations is not None:
+            parts.append(torch.as_tensor(self.backward_residual, dtype=torch.float64).to(dev).view(1))
+        return torch.cat([p.to(torch.float64) for p in parts])
+
+    def from_summary(self, values: list[float]) -> dict:
         out = {
             "iterations": self.iterations,
             "max_iter": self.max_iter,
             "stopped_by": self.stopped_by,
-            "residual_p50": q[0],
-            "residual_p90": q[1],
-            "residual_max": float(r.max()) if r.numel() else float("nan"),
-            "converged_fraction": float((r < self.tol).float().mean()) if r.numel() else 1.0,
-            "token_converged_fraction": float(self.token_converged.float().mean()),
-            "eta": float(self.final_eta.float().mean()),
-            "eta_lowest": float(self.final_eta.min()),
+            "residual_p50": values[0],
+            "residual_p90": values[1],
+            "residual_max": values[2],
+            "converged_fraction": values[3],
+            "token_converged_fraction": values[4],
+            "eta": values[5],
+            "eta_lowest": values[6],
             "nonfinite": self.nonfinite,
         }
         if self.backward_iterations is not None:
             out["backward_iterations"] = self.backward_iterations
-            out["backward_residual"] = self.backward_residual
+            out["backward_residual"] = values[7]
         return out
+
+    def to_dict(self) -> dict:
+        """The statistics as host numbers, in one synchronisation."""
+        return self.from_summary(self.summary().tolist())

@@ -35,7 +35,7 @@ class TrainConfig:
     """
 
     steps: int = 300
-    micro_batch: int = 8
+    micro_batch: int | Literal["auto"] = 8   # auto: the largest that fits (fpscale.train.memory_plan)
     grad_accum: int = 0
     global_batch: int = 8
     global_batch_tokens: int = 0  # > 0: the global batch as a token count (replaces global_batch)
@@ -60,10 +60,17 @@ class TrainConfig:
     stop_at: int = 0              # save and end this run at this step (a time slice); 0 = at train.steps
     init_weights: str = ""        # start from whole weights: a folder with model.safetensors (launch/convert.py)
     peak_tflops: float = 0.0      # device peak for MFU; 0 = a known GPU (fpscale/train/flops.py), else no MFU
+    gpu_memory_gib: float = 0.0   # the budget micro_batch: auto plans for; 0 = the GPU's own memory
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
-        for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_interval", "eval_batches"):
+        auto = self.micro_batch == "auto"
+        check(not (auto and self.grad_accum), f"{prefix}.grad_accum",
+              f"must be 0 (derived) with micro_batch: auto, got {self.grad_accum}")
+        check(self.gpu_memory_gib >= 0, f"{prefix}.gpu_memory_gib",
+              f"must be >= 0 (0 = the GPU's memory), got {self.gpu_memory_gib}")
+        for name in ("steps", *(() if auto else ("micro_batch",)), "global_batch", "log_interval", "eval_interval",
+                     "eval_batches"):
             check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
         check(all(d >= 1 for d in self.eval_depths), f"{prefix}.eval_depths",
               f"every depth (a solver iteration cap) must be >= 1, got {self.eval_depths}")
@@ -107,6 +114,8 @@ def resolve_batch(t: TrainConfig, dp_size: int) -> BatchPlan:
     """Split ``t.global_batch`` over ``dp_size`` ranks, or a LayoutError with the numbers and a fix.
     Derived accumulation: the largest micro-batch <= ``t.micro_batch`` dividing each rank's share."""
     g = t.global_batch
+    if t.micro_batch == "auto":
+        raise ValueError("train.micro_batch: auto is resolved by the trainer (memory_plan.auto_micro_batch) first")
     if g % dp_size:
         lo, hi = g // dp_size * dp_size, -(-g // dp_size) * dp_size
         nearest = f"{lo} or {hi}" if lo else f"{hi}"

@@ -92,7 +92,15 @@ def collect_layer_stats(model, into: dict[str, list]) -> None:
 
 
 def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
-    return {name: [s.to_dict() for s in rows] for name, rows in window.items()}
+    """Every layer's statistics of a log interval as dictionaries, read from the device in one
+    synchronisation for all of them (``fpscale.solvers.stats.to_dicts``)."""
+    from fpscale.solvers.stats import to_dicts
+    names = list(window)
+    flat = to_dicts([s for name in names for s in window[name]])
+    out, at = {}, 0
+    for name in names:
+        out[name], at = flat[at:at + len(window[name])], at + len(window[name])
+    return out
 
 
 def validation_lines(record: dict) -> list[str]:
@@ -171,6 +179,12 @@ class Trainer:
         self.heartbeat = None             # names a rank that vanishes (fpscale/parallel/heartbeat.py)
         if self.state.distributed:
             self.heartbeat = Heartbeat.start(self.state.rank, self.state.world_size, cfg.parallel.timeout_s)
+        if t.micro_batch == "auto":       # the largest that fits this device (fpscale.train.memory_plan)
+            from fpscale.train.memory_plan import auto_micro_batch
+            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device)
+            cfg._check_solvers(t.micro_batch)
+            if self.state.is_main and log:
+                logger.info("train.micro_batch: auto -> %d (the largest that fits, fpscale-plan)", t.micro_batch)
         self.batch = resolve_batch(t, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
         if self.state.is_main and log:

@@ -1,0 +1,141 @@
+"""What the solver costs the host beyond f: host reads (synchronisations) and aten ops per iteration.
+
+For each looped layer type (a one-layer model) and backward mode, three read schedules:
+    eager       tol 2e-2 (live stop), check_every 1: the stop decision is read every iteration
+    tol0        tol 0 (a fixed depth, Huginn/Parcae style): no stop rule can fire, one read per solve
+    every4      tol 2e-2, check_every 4: the decision is read every 4th iteration (and at the cap)
+reported as host reads per training step (forward + backward, counted by patching the
+tensor-to-host methods: fpscale.solvers.host_reads) and per solve, with the iterations run.
+Then the aten ops of one iteration (a TorchDispatchMode, counted between caps 4 and 8 of a no-grad
+forward solve, so set-up is excluded): those inside f and the solver's bookkeeping around it.
+
+    python bench/solver_overhead.py                       # d 128, T 128, B 8
+    python bench/solver_overhead.py --d 32 --T 16 --B 2   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import math
+
+import torch
+from common import print_table, write_json
+
+import fpscale
+from fpscale.models import ModelConfig, layer_spec
+from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
+
+iterate_module = importlib.import_module("fpscale.solvers.iterate")
+solve_module = importlib.import_module("fpscale.solvers.solve")    # the package exports solve()
+
+LIVE = {"tol": 2e-2, "stop_quantile": 0.25, "backward_tol": 1e-3}
+SCHEDULES = {"eager": LIVE, "tol0": {"tol": 0.0, "backward_tol": 0.0}, "every4": {**LIVE, "check_every": 4}}
+
+
+def build(kind: str, d: int, heads: int, T: int, solver: dict, seed: int = 0):
+    cfg = fpscale.load_config(None, [])
+    spec = layer_spec(kind)
+    spec.solver = dict(solver)
+    cfg.model = ModelConfig(vocab_size=64, d_model=d, n_heads=heads, max_seq_len=T + 1, layers=[spec])
+    cfg.model.validate()
+    torch.manual_seed(seed)
+    model = fpscale.build_model(cfg)
+    model.train()
+    return model
+
+
+def reads_row(kind: str, mode: str, schedule: str, args) -> dict:
+    solver = {**SCHEDULES[schedule], "max_iter": args.max_iter, "backward_max_iter": args.max_iter,
+              "backward": mode}
+    model = build(kind, args.d, args.heads, args.T, solver)
+    x = torch.randint(0, 64, (args.B, args.T + 1), generator=torch.Generator().manual_seed(0))
+    with count_host_reads() as reads:
+        loss = model(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+    (stats,) = model.solver_stats().values()
+    solves = 1 + (stats.backward_iterations is not None)
+    return {"layer": kind, "backward": mode, "schedule": schedule, "fwd_iters": stats.iterations,
+            "bwd_iters": stats.backward_iterations, "reads_per_step": reads.total,
+            "reads_per_solve": reads.total / solves,
+            "reads_per_iter": reads.total / (stats.iterations + (stats.backward_iterations or 0))}
+
+
+@contextlib.contextmanager
+def counting_iterate(ops):
+    """Count the aten ops inside f separately from the rest of each ``iterate`` call."""
+    inner = {"f": 0, "iters": 0}
+    real = solve_module.iterate
+
+    def counted(step, *a, **kw):
+        def f(z):
+            before = ops.total
+            out = step(z)
+            inner["f"] += ops.total - before
+            return out
+        before = ops.total
+        result = real(f, *a, **kw)
+        inner["all"] = inner.get("all", 0) + ops.total - before
+        inner["iters"] += result.iterations
+        return result
+
+    solve_module.iterate = counted
+    try:
+        yield inner
+    finally:
+        solve_module.iterate = real
+
+
+def ops_in_solve(kind: str, schedule: str, cap: int, args) -> dict:
+    solver = {**SCHEDULES[schedule], "max_iter": cap, "tol": 0.0}      # run the whole cap
+    model = build(kind, args.d, args.heads, args.T, solver)
+    x = torch.randint(0, 64, (args.B, args.T), generator=torch.Generator().manual_seed(0))
+    every = {"eager": 1, "tol0": None, "every4": 4}[schedule]
+    real_schedule = iterate_module.read_schedule
+    iterate_module.read_schedule = lambda cfg, n: every              # the schedule, whatever tol
+    try:
+        with torch.no_grad(), count_aten_ops() as ops, counting_iterate(ops) as inner:
+            model(x)
+    finally:
+        iterate_module.read_schedule = real_schedule
+    assert inner["iters"] == cap, inner
+    return inner
+
+
+def ops_row(kind: str, schedule: str, args) -> dict:
+    a, b = ops_in_solve(kind, schedule, 4, args), ops_in_solve(kind, schedule, 8, args)
+    f_ops = (b["f"] - a["f"]) / 4
+    all_ops = (b["all"] - a["all"]) / 4
+    return {"layer": kind, "schedule": schedule, "f_ops_per_iter": f_ops, "solver_ops_per_iter": all_ops - f_ops,
+            "total_ops_per_iter": all_ops}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--T", type=int, default=128)
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--max-iter", type=int, default=16)
+    ap.add_argument("--kinds", nargs="+", default=["fpsa", "fpmamba", "looped"])
+    ap.add_argument("--modes", nargs="+", default=["implicit", "jfb", "unroll"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    read_rows = [reads_row(kind, mode, schedule, args) for kind in args.kinds for mode in args.modes
+                 for schedule in SCHEDULES]
+    op_rows = [ops_row(kind, schedule, args) for kind in args.kinds for schedule in SCHEDULES]
+    print(f"host reads per training step (forward + backward), d={args.d} T={args.T} B={args.B}, "
+          f"cap {args.max_iter} (forward and adjoint)")
+    print_table(read_rows, ["layer", "backward", "schedule", "fwd_iters", "bwd_iters", "reads_per_step",
+                            "reads_per_solve", "reads_per_iter"])
+    print("\naten ops per forward iteration (no grad): inside f vs the solver's bookkeeping (incl. the read)")
+    print_table(op_rows, ["layer", "schedule", "f_ops_per_iter", "solver_ops_per_iter", "total_ops_per_iter"])
+    write_json("solver_overhead", {"args": vars(args), "read_rows": read_rows, "op_rows": op_rows}, args.out)
+    assert all(math.isfinite(r["reads_per_step"]) for r in read_rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Counting what a piece of code costs the host: device-to-host reads and aten operations.
+
+``count_host_reads()`` patches the methods that bring a tensor's value to the host (``item``,
+``tolist``, ``__float__``, ``__int__``, ``__bool__``, ``__index__``, ``cpu``, ``numpy``): on a GPU
+each is a synchronisation that leaves the device idle while the host waits and then launches
+again. On a CPU ``.cpu()`` is a no-op, yet it counts: what is counted is what would synchronise
+on a GPU. A read made inside another counted read (``tolist`` calling ``__float__``) counts once.
+
+``count_aten_ops()`` counts the aten operations dispatched inside it (a TorchDispatchMode), each
+a kernel launch on a GPU (views and metadata included: an upper bound on launches).
+
+    with count_host_reads() as reads:
+        loss = model(x, targets=y); loss.backward()
+    reads.total, reads.by_method
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+READ_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+
+
+class HostReads:
+    """The reads counted so far: ``total`` and ``by_method``; ``marks`` lets a caller split them."""
+
+    def __init__(self) -> None:
+        self.by_method: Counter = Counter()
+        self.depth = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_method.values())
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[HostReads]:
+    """Count the tensor-to-host reads made inside the block (not thread-safe: patches torch.Tensor)."""
+    reads = HostReads()
+    saved = {name: getattr(torch.Tensor, name) for name in READ_METHODS}
+
+    def wrap(name: str, method: Any) -> Any:
+        @functools.wraps(method)
+        def counted(self, *args, **kwargs):
+            if reads.depth == 0:
+                reads.by_method[name] += 1
+            reads.depth += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                reads.depth -= 1
+        return counted
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, wrap(name, method))
+    try:
+        yield reads
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+class AtenOps(TorchDispatchMode):
+    """A dispatch mode counting the aten operations run inside it (``total``, ``by_op``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_op[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_aten_ops() -> Iterator[AtenOps]:
+    with AtenOps() as ops:
+        yield ops

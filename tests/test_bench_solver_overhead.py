@@ -1,0 +1,32 @@
+"""bench/solver_overhead.py at a tiny size on CPU: it runs, and its columns hold issue 27's goals
+(tol 0: one host read per solve, none per iteration; a live stop: one per iteration; check_every 4:
+at most one per 4 iterations, plus the cap's)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_solver_overhead_bench(tmp_path):
+    out = tmp_path / "solver_overhead.json"
+    cmd = [sys.executable, "bench/solver_overhead.py", "--d", "32", "--T", "16", "--B", "2", "--max-iter", "8",
+           "--modes", "implicit", "jfb", "--threads", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["layer"], r["backward"], r["schedule"]): r for r in report["read_rows"]}
+    assert {k[0] for k in rows} == {"fpsa", "fpmamba", "looped"}
+    for (kind, mode, schedule), r in rows.items():
+        solves = 2 if mode == "implicit" else 1
+        if schedule == "tol0":
+            assert r["reads_per_step"] == solves and r["fwd_iters"] == 8, r
+        elif schedule == "eager":
+            assert r["reads_per_iter"] == 1, r
+        else:
+            iters = [r["fwd_iters"]] + ([r["bwd_iters"]] if mode == "implicit" else [])
+            assert r["reads_per_step"] == sum(math.ceil(i / 4) for i in iters), r
+    for r in report["op_rows"]:
+        assert r["f_ops_per_iter"] > 0 and 0 < r["solver_ops_per_iter"] < 80, r
