@@ -262,7 +262,7 @@ class ModelStates:
 def model_states(cfg, dp: int) -> ModelStates:
     """Weights, gradients, optimizer states and DeepSpeed's buffers of one GPU (module docstring)."""
     from fpscale.train.config import BatchPlan
-    from fpscale.train.trainer import deepspeed_config
+    from fpscale.train.deepspeed_config import deepspeed_config
     stage, bf16 = cfg.parallel.zero_stage, cfg.train.precision == "bf16"
     ds = deepspeed_config(cfg, BatchPlan(dp, 1, 1, dp))
     fp32_accum = not bf16 or ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
