@@ -28,10 +28,14 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     z* is in the solver's state dtype; so are f(z*) here and the adjoint iterate."""
     z_in = z_star.detach().requires_grad_()
     fz = f(z_in).to(z_in.dtype)
-    if cfg.mask_unconverged:
+    if cfg.mask_unconverged and cfg.tol > 0:
         keep = stats.token_converged
+    # (with tol 0, a fixed depth, no token ever counts as converged: masking would drop every gradient,
+    # so only non-finite samples are masked, as with mask_unconverged off)
     else:
         keep = torch.isfinite(stats.sample_residual)[:, None].expand_as(stats.token_converged)
+    if stats.nonfinite:         # a token whose f(z*) is not finite gets no gradient (the forward kept z*)
+        keep = keep & torch.isfinite(fz.detach()).reshape(*keep.shape, -1).all(-1)
     mask = _per_token(keep, fz).to(fz.dtype)
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
                                       stop_quantile=0.0, freeze_converged=False)

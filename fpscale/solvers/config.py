@@ -41,7 +41,8 @@ class SolverConfig:
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
-      mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D)
+      mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
+                         tol 0 (a fixed depth: none converges) only non-finite samples are masked
     Speed:
       compile            torch.compile the layer's iteration step (one application of f, with
                          dynamic=False); the iteration loop stays in Python, so a different

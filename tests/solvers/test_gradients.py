@@ -1,4 +1,6 @@
 """Backward modes against the exact implicit-function-theorem gradient (dense Jacobian)."""
+import dataclasses
+
 import torch
 from torch.func import jacrev
 
@@ -122,3 +124,16 @@ def test_implicit_masks_unconverged_tokens():
     c[0, 0] = 1.0                                   # loss reads only the unconverged token
     (c * z).sum().backward()
     assert torch.count_nonzero(x.grad) == 0
+
+
+def test_implicit_at_a_fixed_depth_keeps_the_gradient():
+    """tol 0 (a fixed depth, as Huginn and Parcae train): no token counts as converged, yet the implicit
+    backward must not mask them all out (it returned zero gradients): it equals mask_unconverged off."""
+    W, A, U, x, c = _problem()
+    exact_W, exact_x = exact_gradients(W, A, U, x, c)
+    fixed = SolverConfig(max_iter=60, tol=0.0, backward="implicit", backward_max_iter=200, backward_tol=1e-12)
+    gW, gx, stats = solver_gradients(fixed, W, A, U, x, c)
+    assert stats.iterations == 60
+    assert rel_err(gW, exact_W) < 1e-6 and rel_err(gx, exact_x) < 1e-6
+    gW_off, gx_off, _ = solver_gradients(dataclasses.replace(fixed, mask_unconverged=False), W, A, U, x, c)
+    assert torch.equal(gW, gW_off) and torch.equal(gx, gx_off)
