@@ -42,7 +42,7 @@ run() {
                 train.global_batch_tokens=0 "train.global_batch=$((2 * nproc))" train.micro_batch=2
                 train.resume=none train.export_final=false "train.out_dir=$OUT" "name=$name" "$@")
     if [ "$CPU" = 1 ] && [ "$flash" = 0 ]; then     # no flash-attn on a CPU: the auto run is this one
-        echo "same $name: on CPU flash=0 runs what the auto run ran (SDPA)"
+        echo "same $name (on CPU flash=0 runs what the auto run ran: SDPA)"
         return
     fi
     local launcher=("$PY")
