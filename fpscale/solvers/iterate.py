@@ -233,32 +233,9 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
-        fz = step(z)
-        if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
-            got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
-            raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
-        fz = fz.to(dtype)
+        fz, res, flags, best, patience_left, next_eta = _observe(
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce)
         with torch.no_grad():
-            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
-            res = torch.where(frozen, token_res, res)
-            if real is not None:                  # padding converges at once and stays frozen
-                res = res.masked_fill(~real, 0.0)
-            sample_res = res.amax(1)
-            finite = torch.isfinite(sample_res)
-            # flags this rank saw; under TP their MAX over the group is what every rank acts on
-            flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < tol),
-                              no_progress=~(sample_res < best))
-            if consensus is not None:
-                flags = StopFlags.unpack(consensus(flags.pack()), B)
-            # Algorithm 1, per sample: progress resets the patience, stagnation decays eta
-            best = torch.where(flags.no_progress, best, sample_res)
-            if cfg.patience > 0:
-                patience_left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
-                decay_now = patience_left <= 0
-                next_eta = torch.where(decay_now, eta * cfg.decay, eta)
-                patience_left = torch.where(decay_now, cfg.patience, patience_left)
-            else:
-                next_eta = eta
             n_unconverged = flags.unconverged.sum()
             stalled = (flags.unconverged & ~(next_eta < cfg.eta_min)).sum() == 0
             decision = StopDecision.read(n_unconverged, n_unconverged <= limit, stalled, flags.nonfinite)
@@ -284,41 +261,54 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
                          token_converged=token_res < tol, eta=eta)
 
 
+def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, patience_left, eta,
+             consensus, state_reduce):
+    """One application of f and what the iteration learns from it, without a host read: f(z) in the
+    state dtype, the residual per token, the (agreed) stop flags, and the per-sample patience and
+    damping after Algorithm 1. Returns (fz, res, flags, best, patience_left, next_eta)."""
+    fz = step(z)
+    if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
+        got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
+        raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+    fz = fz.to(z.dtype)
+    with torch.no_grad():
+        res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
+        res = torch.where(frozen, token_res, res)
+        if real is not None:                  # padding converges at once and stays frozen
+            res = res.masked_fill(~real, 0.0)
+        sample_res = res.amax(1)
+        finite = torch.isfinite(sample_res)
+        # flags this rank saw; under TP their MAX over the group is what every rank acts on
+        flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < cfg.tol),
+                          no_progress=~(sample_res < best))
+        if consensus is not None:
+            flags = StopFlags.unpack(consensus(flags.pack()), z.shape[0])
+        # Algorithm 1, per sample: progress resets the patience, stagnation decays eta
+        best = torch.where(flags.no_progress, best, sample_res)
+        if cfg.patience > 0:
+            patience_left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
+            decay_now = patience_left <= 0
+            next_eta = torch.where(decay_now, eta * cfg.decay, eta)
+            patience_left = torch.where(decay_now, cfg.patience, patience_left)
+        else:
+            next_eta = eta
+    return fz, res, flags, best, patience_left, next_eta
+
+
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
                       max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson) -> IterateResult:
     """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
     ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
     a non-finite residual is remembered on the device and holds the state at its last finite
     value (``alive``), so nothing but the scheduled reads waits for the device."""
-    tol, dtype, B = cfg.tol, z.dtype, z.shape[0]
+    tol, dtype = cfg.tol, z.dtype
     alive = torch.ones((), dtype=torch.bool, device=z.device)       # no non-finite residual yet
     first_bad = torch.full((), max_iter, dtype=torch.long, device=z.device)
     stopped_by, k = "max_iter", 0
     for k in range(1, max_iter + 1):
-        fz = step(z)
-        if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
-            got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
-            raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
-        fz = fz.to(dtype)
+        fz, res, flags, best, patience_left, next_eta = _observe(
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce)
         with torch.no_grad():
-            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
-            res = torch.where(frozen, token_res, res)
-            if real is not None:
-                res = res.masked_fill(~real, 0.0)
-            sample_res = res.amax(1)
-            finite = torch.isfinite(sample_res)
-            flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < tol),
-                              no_progress=~(sample_res < best))
-            if consensus is not None:
-                flags = StopFlags.unpack(consensus(flags.pack()), B)
-            best = torch.where(flags.no_progress, best, sample_res)
-            if cfg.patience > 0:
-                patience_left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
-                decay_now = patience_left <= 0
-                next_eta = torch.where(decay_now, eta * cfg.decay, eta)
-                patience_left = torch.where(decay_now, cfg.patience, patience_left)
-            else:
-                next_eta = eta
             first_bad = torch.where(alive & flags.nonfinite, k, first_bad)
             alive = alive & ~flags.nonfinite
         if anderson is not None:
