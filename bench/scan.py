@@ -1,5 +1,5 @@
 """FP-Mamba's selective scan, each implementation alone at the 125m_fpmamba geometry (configs/
-125m_fpmamba.yaml: micro-batch 8, T 2048, d_inner = expand * d_model = 1536, d_state 16): time of
+125m_fpmamba.yaml: micro-batch 4, T 2048, d_inner = expand * d_model = 1536, d_state 16): time of
 the forward (inputs requiring grad, as in training) and of forward + backward, the bytes saved for
 backward, and the kernel launches per scan call.
 

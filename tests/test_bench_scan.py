@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,8 @@ def test_the_bench_counts_the_pytorch_scans_launches_at_t_2048(tmp_path):
 @pytest.mark.slow
 def test_the_bench_at_the_125m_fpmamba_geometry(tmp_path):
     report = bench(tmp_path / "scan.json", "--repeats", "1")
-    assert report["geometry"] == {"B": 8, "T": 2048, "d_inner": 1536, "d_state": 16}
+    micro = yaml.safe_load((ROOT / "configs/125m_fpmamba.yaml").read_text())["train"]["micro_batch"]
+    assert report["geometry"] == {"B": micro, "T": 2048, "d_inner": 1536, "d_state": 16}
     small = check(bench(tmp_path / "small.json", "--B", "1", "--d-inner", "16", "--d-state", "4", "--repeats", "1"))
     row = check(report)
     assert (row["launches_fwd"], row["launches_fwd_bwd"]) == (small["launches_fwd"], small["launches_fwd_bwd"])
