@@ -44,6 +44,10 @@ class SolverConfig:
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
                          tol 0 (a fixed depth: none converges) only non-finite samples are masked
     Speed:
+      bookkeeping        auto | fused | torch: the iteration's residual, flags, damping, freezing and
+                         damped step as 4 Triton kernels (fpscale.solvers.fused) or as about 40
+                         PyTorch ops. auto (default): fused on CUDA where Triton imports. Solves with
+                         autograd through the loop (unroll's training solve) or Anderson stay torch
       compile            torch.compile the layer's iteration step (one application of f, with
                          dynamic=False); the iteration loop stays in Python, so a different
                          iteration count never recompiles. Off until measured on the target device
@@ -68,6 +72,7 @@ class SolverConfig:
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
     mask_unconverged: bool = True
+    bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
 
     def validate(self, prefix: str = "") -> None:
@@ -92,6 +97,10 @@ class SolverConfig:
         check(self.check_every >= 1, key("check_every"),
               f"must be >= 1 (read the stop decision every N iterations; 1 = every iteration), "
               f"got {self.check_every}")
+        check(self.bookkeeping in ("auto", "fused", "torch"), key("bookkeeping"),
+              f"must be auto, fused or torch, got {self.bookkeeping!r}")
+        check(not (self.bookkeeping == "fused" and self.anderson), key("bookkeeping"),
+              f"fused has no Anderson mixing (anderson = {self.anderson}): use auto or torch, or anderson 0")
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")

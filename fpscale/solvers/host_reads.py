@@ -9,6 +9,10 @@ on a GPU. A read made inside another counted read (``tolist`` calling ``__float_
 ``count_aten_ops()`` counts the aten operations dispatched inside it (a TorchDispatchMode), each
 a kernel launch on a GPU (views and metadata included: an upper bound on launches).
 
+A kernel of fpscale's own (a Triton launch: ``opaque_kernel``) counts as one op and no read, which
+is what it costs on a GPU: under Triton's interpreter on CPU its launch copies and reads tensors on
+the host, and those are not counted.
+
     with count_host_reads() as reads:
         loss = model(x, targets=y); loss.backward()
     reads.total, reads.by_method
@@ -24,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 READ_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+_ACTIVE: list = []          # the counters open now (HostReads, AtenOps)
 
 
 class HostReads:
@@ -58,9 +63,11 @@ def count_host_reads() -> Iterator[HostReads]:
 
     for name, method in saved.items():
         setattr(torch.Tensor, name, wrap(name, method))
+    _ACTIVE.append(reads)
     try:
         yield reads
     finally:
+        _ACTIVE.remove(reads)
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
 
@@ -84,4 +91,29 @@ class AtenOps(TorchDispatchMode):
 @contextlib.contextmanager
 def count_aten_ops() -> Iterator[AtenOps]:
     with AtenOps() as ops:
-        yield ops
+        _ACTIVE.append(ops)
+        try:
+            yield ops
+        finally:
+            _ACTIVE.remove(ops)
+
+
+@contextlib.contextmanager
+def opaque_kernel(name: str) -> Iterator[None]:
+    """Around the launch of one of fpscale's own kernels: each open AtenOps counter counts it as
+    the op ``name``, and nothing inside (the Triton interpreter's host copies) is counted."""
+    if not _ACTIVE:
+        yield
+        return
+    for counter in _ACTIVE:
+        if isinstance(counter, AtenOps):
+            counter.by_op[name] += 1
+        else:
+            counter.depth += 1
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            yield
+    finally:
+        for counter in _ACTIVE:
+            if isinstance(counter, HostReads):
+                counter.depth -= 1

@@ -26,18 +26,24 @@ When the host reads it (``read_schedule``; docs/solver.md, "When the host reads 
                stops at the first read iteration whose own decision stops it
   none         no stop rule can fire (``tol: 0`` and no eta_min stop within the cap): the cap runs
                with no read inside the loop and one read at its end (non-finite or not)
+The bookkeeping of an iteration (everything here but f) runs as PyTorch ops, or, where
+``fused_wanted`` says (``solver.bookkeeping``; on CUDA by default), as the four Triton kernels of
+:mod:`fpscale.solvers.fused`, with the same semantics.
 Between reads a non-finite residual is remembered on the device (``torch.where``): the iterate,
 residuals, damping and frozen tokens stay those of the last finite iteration, and the iteration
 count reports the one that went non-finite, as the eager solve does.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from fpscale.solvers import fused
 from fpscale.solvers.config import SolverConfig
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
@@ -227,6 +233,9 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
     limit = quantile_limit(quantile, B)
     every = read_schedule(cfg, max_iter)
+    if fused_wanted(cfg, z0):
+        return fused.iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
+                                   state_reduce=state_reduce, max_iter=max_iter, real=real)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
                                  eta, best, patience_left, frozen, token_res, anderson)
@@ -261,15 +270,51 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
                          token_converged=token_res < tol, eta=eta)
 
 
+def check_step_output(fz, z: torch.Tensor) -> None:
+    """f(z) must be a tensor shaped like z (checked at the first iteration)."""
+    if not isinstance(fz, torch.Tensor) or fz.shape != z.shape:
+        got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
+        raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+
+
+def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
+    """Whether this solve's bookkeeping runs as fpscale.solvers.fused's kernels (``solver.bookkeeping``):
+    never with Anderson mixing or with autograd through the loop (the unroll backward's training
+    solve); else ``auto``: on CUDA where Triton imports, ``fused``: always (an error where the kernels
+    cannot run), ``torch``: never."""
+    if cfg.bookkeeping == "torch" or cfg.anderson or torch.is_grad_enabled():
+        return False
+    if cfg.bookkeeping == "auto" and not z.is_cuda:
+        return False
+    if fused.FUSED_ERROR is not None:
+        raise RuntimeError(f"solver.bookkeeping = {cfg.bookkeeping}: triton is installed but does not import "
+                           f"({fused.FUSED_ERROR!r}); reinstall it, or set solver.bookkeeping=torch") from fused.FUSED_ERROR
+    if cfg.bookkeeping == "fused" and not fused.runnable(z):
+        where = ("triton is not installed (pip install triton)" if not fused.AVAILABLE else
+                 f"its kernels run on CUDA tensors, or on CPU under TRITON_INTERPRET=1 set before "
+                 f"fpscale.solvers.fused is imported; this solve's state is on {z.device}")
+        raise RuntimeError(f"solver.bookkeeping = fused: {where}. Use auto (fused on CUDA) or torch")
+    if not fused.AVAILABLE:
+        _warn_unfused_once()
+        return False
+    return True
+
+
+@functools.cache
+def _warn_unfused_once() -> None:
+    warnings.warn("solver.bookkeeping = auto on CUDA without triton: every solver iteration runs its "
+                  "bookkeeping as about 40 PyTorch kernels beside f (4 fused Triton kernels with triton; "
+                  "bench/solver_overhead.py). pip install triton (a CUDA torch wheel brings it)", stacklevel=3)
+
+
 def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, patience_left, eta,
              consensus, state_reduce):
     """One application of f and what the iteration learns from it, without a host read: f(z) in the
     state dtype, the residual per token, the (agreed) stop flags, and the per-sample patience and
     damping after Algorithm 1. Returns (fz, res, flags, best, patience_left, next_eta)."""
     fz = step(z)
-    if k == 1 and (not isinstance(fz, torch.Tensor) or fz.shape != z.shape):
-        got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
-        raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+    if k == 1:
+        check_step_output(fz, z)
     fz = fz.to(z.dtype)
     with torch.no_grad():
         res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)

@@ -1,0 +1,270 @@
+"""The solver's bookkeeping in four Triton kernels per iteration (``solver.bookkeeping``).
+
+The PyTorch loop (fpscale.solvers.iterate) spends about 40 small kernels per iteration beside f:
+the residual (sub, abs, two amax, a division), the masks, the per-sample flags, Algorithm 1's
+patience and damping, the damped step and the freeze ``where``, about 9 of them full-size passes.
+Here one iteration is f, then
+
+  norms    per token: ||f(z) - z|| and ||f(z)|| (inf: amax of |.|, l2: sum of squares) in one
+           read of z and f(z)                                       grid: blocks of tokens
+  [state_reduce: the partial norms summed / maxed over the shards where z is split (TP FP-Mamba)]
+  flags    per sample: the relative residual of each token (a frozen token keeps its last one,
+           padding counts 0), its max over the tokens, and the flags
+           [non-finite, unconverged, no new best] per sample as int64 [3, B]   grid: B
+  [consensus: the flags MAX-reduced over the group, one small all-reduce, as in the PyTorch loop]
+  decide   per sample: best residual, patience, the next damping (Algorithm 1), and the decision
+           [unconverged count, quantile met, stalled, non-finite, first non-finite iteration]
+                                                                    grid: 1
+  update   z' = eta f(z) + (1 - eta) z, holding frozen tokens and, once a residual went
+           non-finite, every token; the frozen flags and the last finite residual per token
+                                                                    grid: blocks of tokens
+and, at the iterations the read schedule names, one host read of the decision (5 int64).
+f(z) may be in any dtype (cast in the kernels: no copy); the state, residuals and damping stay
+in the solver's state dtype (float32, float64 for float64 maps), as in the PyTorch loop.
+
+Semantics are those of the PyTorch loop, iteration for iteration: the same iterates, iteration
+counts, damping and stop reasons (tests/solvers/test_fused.py holds them equal under Triton's
+interpreter, float64 and float32, on synthetic maps with every stop rule, freezing, padding,
+non-finite residuals and the read schedules, and on every tiny config). A non-finite residual
+is handled as the deferred PyTorch loop does: it is remembered on the device, nothing moves from
+then on, and the read reports the iteration that went non-finite, so the eager schedule (a read
+every iteration) stops exactly where the PyTorch loop stops. The l2 norm's sums are reduced in
+another order than ``torch.linalg.vector_norm``: residuals agree to rounding there, bit-for-bit
+with the inf norm. The update is launched without FMA contraction (``enable_fp_fusion=False``) so
+that on a GPU it rounds as PyTorch's separate mul and add do.
+
+Where it runs (``fpscale.solvers.iterate.fused_wanted``): ``auto`` (default) on CUDA tensors when
+Triton imports, for every solve without autograd through the loop (the forward solve of the
+implicit, phantom and jfb backward modes, every adjoint solve, evaluation); the unroll backward's
+training solve and Anderson mixing keep the PyTorch loop. ``fused`` requires it (on CPU only under
+``TRITON_INTERPRET=1``, set before this module is first imported: Triton decides per kernel at its
+definition); ``torch`` never. Block sizes are untuned defaults (not yet run on a GPU).
+
+    python bench/solver_overhead.py --bookkeeping fused      # kernels per iteration, on CPU via the interpreter
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Callable
+
+import torch
+
+from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.host_reads import opaque_kernel
+
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
+    FUSED_ERROR: Exception | None = None
+except ModuleNotFoundError as exc:          # not installed: the PyTorch loop, said once on CUDA
+    triton = tl = None
+    FUSED_ERROR = exc if exc.name not in ("triton", None) else None
+except Exception as exc:                    # installed but broken: an error where it is wanted
+    triton = tl = None
+    FUSED_ERROR = exc
+AVAILABLE = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if AVAILABLE:
+    @triton.jit
+    def _norms(z_ptr, f_ptr, part_ptr, N, D, L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < N
+        base = rows.to(tl.int64) * D
+        acc_d = tl.zeros([BLOCK_R], dtype=z_ptr.dtype.element_ty)
+        acc_r = tl.zeros([BLOCK_R], dtype=z_ptr.dtype.element_ty)
+        nan = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for c0 in range(0, D, BLOCK_D):
+            cols = c0 + tl.arange(0, BLOCK_D)
+            m = rmask[:, None] & (cols[None, :] < D)
+            off = base[:, None] + cols[None, :]
+            z = tl.load(z_ptr + off, mask=m, other=0.0)
+            f = tl.load(f_ptr + off, mask=m, other=0.0).to(z.dtype)
+            d = f - z
+            if L2:
+                acc_d += tl.sum(d * d, axis=1)
+                acc_r += tl.sum(f * f, axis=1)
+            else:        # amax propagates NaN, as torch.amax does (tl.max need not)
+                ad, af = tl.abs(d), tl.abs(f)
+                nan = tl.maximum(nan, tl.max(((ad != ad) | (af != af)).to(tl.int32), axis=1))
+                acc_d = tl.maximum(acc_d, tl.max(ad, axis=1))
+                acc_r = tl.maximum(acc_r, tl.max(af, axis=1))
+        if not L2:
+            acc_d = tl.where(nan > 0, float("nan"), acc_d)
+        tl.store(part_ptr + rows, acc_d, mask=rmask)
+        tl.store(part_ptr + N + rows, acc_r, mask=rmask)
+
+    @triton.jit
+    def _flags(part_ptr, frozen_ptr, tres_ptr, real_ptr, best_ptr, consts_ptr, res_ptr, sres_ptr, flags_ptr,
+               B, T, L2: tl.constexpr, HAS_REAL: tl.constexpr, BLOCK_T: tl.constexpr):
+        b = tl.program_id(0)
+        N = B * T
+        tol = tl.load(consts_ptr)
+        eps = tl.load(consts_ptr + 1)
+        acc = tl.full([BLOCK_T], float("-inf"), dtype=tol.dtype)
+        nan = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            m = t < T
+            idx = b.to(tl.int64) * T + t
+            p0 = tl.load(part_ptr + idx, mask=m, other=0.0)
+            p1 = tl.load(part_ptr + N + idx, mask=m, other=1.0)
+            if L2:
+                r = tl.sqrt(p0) / (tl.sqrt(p1) + eps)
+            else:
+                r = p0 / (p1 + eps)
+            frozen = tl.load(frozen_ptr + idx, mask=m, other=0) != 0
+            r = tl.where(frozen, tl.load(tres_ptr + idx, mask=m, other=0.0), r)
+            if HAS_REAL:
+                r = tl.where(tl.load(real_ptr + idx, mask=m, other=1) != 0, r, 0.0)
+            tl.store(res_ptr + idx, r, mask=m)
+            r = tl.where(m, r, float("-inf"))
+            nan = tl.maximum(nan, (r != r).to(tl.int32))
+            acc = tl.maximum(acc, r)
+        s = tl.max(acc, axis=0)
+        s = tl.where(tl.max(nan, axis=0) > 0, float("nan"), s)
+        tl.store(sres_ptr + b, s)
+        best = tl.load(best_ptr + b)
+        nonfinite = (s != s) | (tl.abs(s) == float("inf"))
+        tl.store(flags_ptr + b, nonfinite.to(tl.int64))
+        tl.store(flags_ptr + B + b, (~(s < tol)).to(tl.int64))
+        tl.store(flags_ptr + 2 * B + b, (~(s < best)).to(tl.int64))
+
+    @triton.jit
+    def _decide(flags_ptr, sres_ptr, best_ptr, patience_ptr, eta_ptr, eta_out_ptr, alive_ptr, first_bad_ptr,
+                consts_ptr, decision_ptr, B, k, limit, patience,
+                PATIENCE: tl.constexpr, BLOCK_B: tl.constexpr):
+        i = tl.arange(0, BLOCK_B)
+        m = i < B
+        nonfinite = tl.load(flags_ptr + i, mask=m, other=0)
+        unconverged = tl.load(flags_ptr + B + i, mask=m, other=0)
+        no_progress = tl.load(flags_ptr + 2 * B + i, mask=m, other=0) != 0
+        best = tl.load(best_ptr + i, mask=m, other=0.0)
+        tl.store(best_ptr + i, tl.where(no_progress, best, tl.load(sres_ptr + i, mask=m, other=0.0)), mask=m)
+        eta = tl.load(eta_ptr + i, mask=m, other=0.0)
+        next_eta = eta
+        if PATIENCE:     # Algorithm 1, per sample: progress resets the patience, stagnation decays eta
+            left = tl.load(patience_ptr + i, mask=m, other=0)
+            left = tl.where(no_progress, left - 1, patience)
+            decay_now = left <= 0
+            next_eta = tl.where(decay_now, eta * tl.load(consts_ptr + 2), eta)
+            tl.store(patience_ptr + i, tl.where(decay_now, patience, left), mask=m)
+        alive = tl.load(alive_ptr)
+        first_bad = tl.load(first_bad_ptr)
+        bad_now = tl.max(nonfinite, axis=0) > 0
+        first_bad = tl.where((alive != 0) & bad_now, k, first_bad)
+        alive = tl.where(bad_now, 0, alive)
+        tl.store(eta_out_ptr + i, tl.where(alive != 0, next_eta, eta), mask=m)
+        n_unconverged = tl.sum(unconverged, axis=0)
+        movable = (unconverged != 0) & ~(next_eta < tl.load(consts_ptr + 3))
+        tl.store(decision_ptr, n_unconverged)
+        tl.store(decision_ptr + 1, (n_unconverged <= limit).to(tl.int64))
+        tl.store(decision_ptr + 2, (tl.sum(movable.to(tl.int64), axis=0) == 0).to(tl.int64))
+        tl.store(decision_ptr + 3, (alive == 0).to(tl.int64))
+        tl.store(decision_ptr + 4, first_bad)
+        tl.store(alive_ptr, alive)
+        tl.store(first_bad_ptr, first_bad)
+
+    @triton.jit
+    def _update(z_ptr, f_ptr, out_ptr, eta_ptr, frozen_ptr, tres_ptr, res_ptr, alive_ptr, consts_ptr, N, D, T,
+                FREEZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < N
+        base = rows.to(tl.int64) * D
+        eta = tl.load(eta_ptr + rows // T, mask=rmask, other=0.0)[:, None]
+        alive = tl.load(alive_ptr) != 0
+        hold = (rows * 0 + (1 - alive.to(tl.int32))) != 0          # every token, once non-finite
+        frozen = tl.load(frozen_ptr + rows, mask=rmask, other=0) != 0
+        if FREEZE:
+            hold = hold | frozen
+        for c0 in range(0, D, BLOCK_D):
+            cols = c0 + tl.arange(0, BLOCK_D)
+            m = rmask[:, None] & (cols[None, :] < D)
+            off = base[:, None] + cols[None, :]
+            z = tl.load(z_ptr + off, mask=m, other=0.0)
+            f = tl.load(f_ptr + off, mask=m, other=0.0).to(z.dtype)
+            step = eta * f + (1 - eta) * z
+            tl.store(out_ptr + off, tl.where(hold[:, None], z, step), mask=m)
+        res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
+        if FREEZE:
+            newly = frozen | (res < tl.load(consts_ptr))
+            tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)
+        tres = tl.load(tres_ptr + rows, mask=rmask, other=0.0)
+        tl.store(tres_ptr + rows, tl.where(alive, res, tres), mask=rmask)
+
+
+def runnable(z: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``z``'s device here: CUDA with Triton, or CPU under the interpreter."""
+    return AVAILABLE and (z.is_cuda or (INTERPRET and z.device.type == "cpu"))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    with opaque_kernel(f"triton.solver.{kernel.__name__.lstrip('_')}"):
+        kernel[grid](*args, **meta)
+
+
+def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
+                  every: int | None, limit: int, consensus, state_reduce, max_iter: int,
+                  real: torch.Tensor | None):
+    """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
+    its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
+    of samples that may stay unconverged (``quantile_limit``)."""
+    from fpscale.solvers.iterate import IterateResult, check_step_output, state_dtype
+    dtype = state_dtype(z0.dtype)
+    z = z0.detach().to(dtype).contiguous()
+    B, T = z.shape[:2]
+    N = B * T
+    D = z.numel() // N if N else 1
+    dev = z.device
+
+    def full(n, value, dt=dtype):
+        return torch.full((n,), value, dtype=dt, device=dev)
+
+    consts = torch.tensor([cfg.tol, cfg.eps, cfg.decay, cfg.eta_min], dtype=dtype, device=dev)
+    part, res, sres = torch.empty(2 * N, dtype=dtype, device=dev), torch.empty(N, dtype=dtype, device=dev), \
+        torch.empty(B, dtype=dtype, device=dev)
+    flags, decision = torch.empty(3 * B, dtype=torch.long, device=dev), torch.zeros(5, dtype=torch.long, device=dev)
+    best, patience_left = full(B, float("inf")), full(B, cfg.patience, torch.long)
+    eta, eta_next = full(B, cfg.damping), torch.empty(B, dtype=dtype, device=dev)
+    alive, first_bad = full(1, 1, torch.int32), full(1, max_iter, torch.long)
+    frozen, token_res = full(N, 0, torch.int8), full(N, float("inf"))
+    real8 = real.to(torch.int8).contiguous() if real is not None else frozen
+    block_d = min(_pow2(D), 256)
+    block_r = max(1, min(_pow2(N), 4096 // block_d))
+    grid_rows = (triton.cdiv(N, block_r),)
+    l2 = cfg.norm == "l2"
+    stopped_by, k = "max_iter", 0
+    for k in range(1, max_iter + 1):
+        fz = step(z)
+        if k == 1:
+            check_step_output(fz, z)
+        fz = fz.detach()
+        if not fz.is_contiguous():
+            fz = fz.contiguous()
+        _launch(_norms, grid_rows, z, fz, part, N, D, L2=l2, BLOCK_R=block_r, BLOCK_D=block_d)
+        parts = part if state_reduce is None else state_reduce(part.view(2, N), "sum" if l2 else "max").reshape(-1)
+        _launch(_flags, (B,), parts, frozen, token_res, real8, best, consts, res, sres, flags, B, T,
+                L2=l2, HAS_REAL=real is not None, BLOCK_T=min(_pow2(T), 1024))
+        agreed = flags if consensus is None else consensus(flags)
+        _launch(_decide, (1,), agreed, sres, best, patience_left, eta, eta_next, alive, first_bad, consts,
+                decision, B, k, limit, cfg.patience, PATIENCE=cfg.patience > 0, BLOCK_B=_pow2(B))
+        z_next = torch.empty_like(z)
+        _launch(_update, grid_rows, z, fz, z_next, eta, frozen, token_res, res, alive, consts, N, D, T,
+                FREEZE=cfg.freeze_converged, BLOCK_R=block_r, BLOCK_D=block_d, enable_fp_fusion=False)
+        z, eta, eta_next = z_next, eta_next, eta
+        if k == max_iter or (every is not None and k % every == 0):
+            n_unconverged, met, stalled, nonfinite, bad_at = decision.tolist()
+            if nonfinite:
+                stopped_by, k = "nonfinite", bad_at
+                break
+            if every is not None and (met or stalled):
+                stopped_by = "converged" if n_unconverged == 0 else "quantile" if met else "eta_min"
+                break
+    token_res = token_res.view(B, T)
+    return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
+                         token_converged=token_res < cfg.tol, eta=eta)
