@@ -243,7 +243,6 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
         fz = step(z)
         if k == 1:
             check_step_output(fz, z)
-        fz = fz.detach()
         if not fz.is_contiguous():
             fz = fz.contiguous()
         _launch(_norms, grid_rows, z, fz, part, N, D, L2=l2, BLOCK_R=block_r, BLOCK_D=block_d)

@@ -6,6 +6,7 @@ merged with ``unshard``), the iteration counts of every solve (forward and adjoi
 power-iteration vectors must agree. Rank 0 writes OUT/ok on success.
 
     torchrun --nproc_per_node 2 tests/parallel/run_tp_model.py OUT
+    ONLY=fpsa,looped EXTRA="solver.bookkeeping=fused" TRITON_INTERPRET=1 torchrun ...   # some cases, more overrides
 """
 import copy
 import os
@@ -95,11 +96,12 @@ def main(out):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (3, 12), generator=g)
     targets = torch.randint(0, 32, (3, 12), generator=g)
-    only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba while debugging one layer type
+    only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba (or fpsa,looped) while debugging
+    extra = os.environ.get("EXTRA", "").split()   # overrides for every case (solver.bookkeeping=fused)
     for name, overrides in CASES.items():
-        if only and only not in name:
+        if only and not any(part in name for part in only.split(",")):
             continue
-        check_case(name, overrides, state, tokens, targets)
+        check_case(name, overrides + extra, state, tokens, targets)
     dist.barrier()
     if rank == 0:
         open(os.path.join(out, "ok"), "w").write("ok\n")

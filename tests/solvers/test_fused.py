@@ -1,0 +1,260 @@
+"""The fused solver bookkeeping (fpscale.solvers.fused, ``solver.bookkeeping``) against the PyTorch
+loop, under Triton's interpreter on CPU: the same iterates, iteration counts, stop reasons, damping
+and residuals, float64 and float32, on synthetic maps with every stop rule (convergence, quantile,
+eta_min stall, the cap, a non-finite residual), freezing, left padding, the l2 norm, the read
+schedules (eager, every N, none), a bf16 map, on every tiny config (forward, adjoint, gradients),
+and split over TP 2 (consensus and the state split of FP-Mamba); the kernels per iteration and the
+host reads.
+
+As in tests/models/test_scan_triton.py, the interpreter is chosen when the kernels are defined, so the
+kernel tests (``test_kernel_*``) run in a child pytest process with ``TRITON_INTERPRET=1``, started by
+``test_the_fused_bookkeeping_under_the_interpreter``; the parent runs the tests that need no kernel.
+
+    python -m pytest tests/solvers/test_fused.py -q
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fpscale
+from fpscale.errors import ConfigError
+from fpscale.solvers import SolverConfig, fused
+from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
+from fpscale.solvers.iterate import iterate
+from fpscale.typed import from_dict
+from tests.models.helpers import token_batches
+from tests.parallel.launch import torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="a kernel test: run under TRITON_INTERPRET=1 by "
+                                                         "test_the_fused_bookkeeping_under_the_interpreter")
+# every tiny config with a fixed-point solve (tiny_attn has none; tiny_epsilon halts by its own rule)
+TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml") if p.stem not in ("tiny_attn", "tiny_epsilon"))
+
+
+def triton_or_skip() -> None:
+    if fused.FUSED_ERROR is not None:
+        raise fused.FUSED_ERROR                 # installed but broken: a failure, not a skip
+    if not fused.AVAILABLE:
+        pytest.skip("triton is not installed (pip install triton): the fused kernels cannot be tested")
+
+
+def run_child(marker: str) -> None:
+    """This file's kernel tests matching ``marker`` in a child under the interpreter: all must run and pass."""
+    triton_or_skip()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker, "-k", "test_kernel_",
+           str(Path(__file__).relative_to(ROOT))]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    print(out)
+    assert proc.returncode == 0, out
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, out
+
+
+def test_the_fused_bookkeeping_under_the_interpreter():
+    run_child("not slow")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_fused_bookkeeping_under_tp2_under_the_interpreter():
+    run_child("slow")
+
+
+# ------------------------------------------------------------------------------ synthetic maps
+def contraction(dtype, B=4, T=6, d=16, seed=0, bf16=False, bad_at=None, bad_sample=1):
+    """f(z) = tanh(z W + x), samples of different difficulty (x scaled per sample); ``bad_at``: from
+    that application on, sample ``bad_sample`` of f(z) is NaN; ``bf16``: f computes in bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(d, d, generator=g, dtype=torch.float64) / d ** 0.5 * 0.4
+    x = torch.randn(B, T, d, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, B, dtype=torch.float64)[:, None, None]
+    W, x = W.to(dtype), x.to(dtype)
+    calls = [0]
+
+    def f(z):
+        calls[0] += 1
+        out = torch.tanh(z.to(torch.bfloat16) @ W.bfloat16() + x.bfloat16()) if bf16 else torch.tanh(z @ W + x)
+        if bad_at is not None and calls[0] >= bad_at:
+            out = out.clone()
+            out[bad_sample, 2] = float("nan")
+        return out
+    return f, torch.zeros(B, T, d, dtype=dtype)
+
+
+def both(cfg: SolverConfig, dtype, quantile=0.25, real=None, max_iter=None, **map_kw):
+    results = []
+    for mode in ("torch", "fused"):
+        f, z0 = contraction(dtype, **map_kw)
+        with torch.no_grad():
+            results.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=quantile,
+                                   real=real, max_iter=max_iter))
+    return results
+
+
+def assert_same(a, b, exact=True):
+    assert (a.iterations, a.stopped_by) == (b.iterations, b.stopped_by)
+    for name in ("z", "token_res", "token_converged", "eta"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        if exact:
+            assert torch.equal(x, y), (name, (x.double() - y.double()).abs().max())
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7, msg=name)
+
+
+CASES = {
+    "converged": dict(tol=1e-4),
+    "quantile": dict(tol=1e-6, max_iter=60),
+    "freeze": dict(tol=1e-3, freeze_converged=True),
+    "cap": dict(tol=1e-12, max_iter=7),
+    "eta_min stall": dict(tol=1e-30, max_iter=150, damping=0.9, patience=1, decay=0.5, eta_min=0.2),
+    "patience decays": dict(tol=1e-5, max_iter=60, damping=1.0, patience=2, decay=0.8, eta_min=0.0),
+    "tol 0 (one read)": dict(tol=0.0, max_iter=9, eta_min=0.0),
+    "check_every 3": dict(tol=1e-4, check_every=3),
+    "check_every 4 freeze": dict(tol=1e-3, check_every=4, freeze_converged=True),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_fused_equals_the_pytorch_loop(case, dtype):
+    cfg = SolverConfig(**{"max_iter": 40, **CASES[case]})
+    a, b = both(cfg, dtype, quantile=0.25 if case == "quantile" else 0.0)
+    assert_same(a, b)
+    expected = {"quantile": "quantile", "cap": "max_iter", "eta_min stall": "eta_min",
+                "tol 0 (one read)": "max_iter"}.get(case, "converged")
+    assert a.stopped_by == expected, a.stopped_by
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_kernel_l2_norm_agrees_to_rounding(dtype):
+    a, b = both(SolverConfig(tol=1e-4, norm="l2", freeze_converged=True), dtype)
+    assert_same(a, b, exact=False)
+
+
+@interpreted
+@pytest.mark.parametrize("every", [1, 3], ids=["eager", "every3"])
+@pytest.mark.parametrize("freeze", [False, True], ids=["nofreeze", "freeze"])
+def test_kernel_a_non_finite_residual_stops_where_the_pytorch_loop_stops(every, freeze):
+    """Sample 1 goes NaN at the 5th application: both stop 'nonfinite' at iteration 5 with the last
+    finite iterate, residuals and damping, however many iterations ran before the read."""
+    cfg = SolverConfig(tol=1e-9, max_iter=30, check_every=every, freeze_converged=freeze)
+    a, b = both(cfg, torch.float32, bad_at=5)
+    assert a.stopped_by == "nonfinite" and a.iterations == 5
+    assert torch.isfinite(a.z).all()
+    assert_same(a, b)
+
+
+@interpreted
+def test_kernel_left_padding_and_a_bf16_map():
+    real = torch.ones(4, 6, dtype=torch.bool)
+    real[0, :3] = real[2, :1] = False
+    a, b = both(SolverConfig(tol=1e-3, freeze_converged=True), torch.float32, real=real)
+    assert_same(a, b)
+    assert (a.token_res[~real] == 0).all()
+    a, b = both(SolverConfig(tol=2e-2), torch.float32, bf16=True)
+    assert_same(a, b)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", TINY)
+def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
+    """Each tiny config (its own solver settings), one training step (the forward solve and, for the
+    implicit backward, the adjoint solve, both fused) and an evaluation: the loss, every gradient
+    and every solve's iterations and damping equal the PyTorch loop's."""
+    tokens = token_batches(64, n=1, batch=4, seq=17, seed=3)[0]
+    runs = []
+    for mode in ("torch", "fused"):
+        cfg = fpscale.load_config(ROOT / "configs" / f"{name}.yaml", ["model.vocab_size=64", f"solver.bookkeeping={mode}"])
+        torch.manual_seed(0)
+        model = fpscale.build_model(cfg).to(dtype)
+        model.train()
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+        loss.backward()
+        stats = {k: (s.iterations, s.stopped_by, s.backward_iterations, s.final_eta.tolist())
+                 for k, s in model.solver_stats().items()}
+        model.eval()
+        with torch.no_grad():
+            logits = model(tokens[:, :-1])
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((loss.detach(), stats, grads, logits, {k: s.iterations for k, s in model.solver_stats().items()}))
+    (l0, s0, g0, e0, i0), (l1, s1, g1, e1, i1) = runs
+    assert s0 and s0 == s1 and i0 == i1
+    assert torch.equal(l0, l1) and torch.equal(e0, e1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
+@interpreted
+def test_kernel_four_kernels_and_one_read_per_iteration():
+    """Beside f, an iteration is the 4 kernels and the new iterate's allocation; the eager schedule reads
+    once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40 aten ops."""
+    per_iteration = {}
+    for mode in ("torch", "fused"):
+        counts = []
+        for cap in (4, 8):
+            f, z0 = contraction(torch.float32)
+            cfg = SolverConfig(tol=1e-12, max_iter=cap, bookkeeping=mode)
+            inner = [0]
+
+            def counted(z, f=f):
+                before = ops.total
+                out = f(z)
+                inner[0] += ops.total - before
+                return out
+            with torch.no_grad(), count_aten_ops() as ops, count_host_reads() as reads:
+                result = iterate(counted, z0, cfg, quantile=0.0)
+            assert result.iterations == cap and reads.total == cap
+            counts.append(ops.total - inner[0])
+        per_iteration[mode] = (counts[1] - counts[0]) / 4
+    assert per_iteration["fused"] <= 6, per_iteration
+    assert per_iteration["torch"] >= 30, per_iteration
+    f, z0 = contraction(torch.float32)
+    with torch.no_grad(), count_host_reads() as reads:
+        result = iterate(f, z0, SolverConfig(tol=0.0, max_iter=9, eta_min=0.0, bookkeeping="fused"), quantile=0.0)
+    assert result.iterations == 9 and reads.total == 1
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kernel_tp2_with_fused_bookkeeping_equals_the_whole_model(tmp_path):
+    """tests/parallel/run_tp_model.py with solver.bookkeeping=fused: the flags agreed over the TP group
+    (consensus) and FP-Mamba's split state (state_reduce) in the kernels' loop; TP 2 = one process in
+    float64 (loss, every gradient, every solve's iterations). Anderson cases are not fused."""
+    os.environ["ONLY"] = "fpsa-implicit,fpmamba-householder-implicit,fpmamba-kronecker-jfb,looped-conv-implicit"
+    os.environ["EXTRA"] = "solver.bookkeeping=fused"
+    try:
+        torchrun(2, "tests/parallel/run_tp_model.py", [str(tmp_path)], timeout=400)
+    finally:
+        del os.environ["ONLY"], os.environ["EXTRA"]
+    assert (tmp_path / "ok").exists()
+
+
+# ------------------------------------------------------------------- no kernel: the parent's tests
+def test_bookkeeping_is_validated_with_its_key():
+    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*'auto', 'fused', 'torch'"):
+        from_dict(SolverConfig, {"bookkeeping": "triton"}, "solver")
+    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*Anderson"):
+        fpscale.load_config(None, ["solver.bookkeeping=fused", "solver.anderson=3"])
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on CPU")
+def test_fused_where_it_cannot_run_is_an_error_and_auto_on_cpu_is_the_pytorch_loop():
+    f, z0 = contraction(torch.float32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="solver.bookkeeping = fused"):
+        iterate(f, z0, SolverConfig(bookkeeping="fused"), quantile=0.0)
+    with torch.no_grad(), count_aten_ops() as ops:
+        iterate(f, z0, SolverConfig(tol=1e-4), quantile=0.0)
+    assert not any(op.startswith("triton.") for op in ops.by_op), ops.by_op
