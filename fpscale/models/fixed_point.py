@@ -30,6 +30,7 @@ class FixedPointLayer(LoopedLayer):
         self.state_sharded = False       # True where the solved state is split over the shards
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
         self.cap: int | None = None      # randomised per-step cap (training only)
+        self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
 
     @property
@@ -75,5 +76,6 @@ class FixedPointLayer(LoopedLayer):
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
-                                   real=real, iterate_free=self.iterate_free)
+                                   real=real, iterate_free=self.iterate_free,
+                                   agree=self.dp_agree if self.training and self.solver.agree == "dp" else None)
         return z

@@ -17,13 +17,13 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Consensus, StateReduce, _per_token, iterate
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token, iterate
 from fpscale.solvers.stats import SolverStats
 
 
 def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
                     stats: SolverStats, consensus: Consensus | None,
-                    state_reduce: StateReduce | None = None) -> torch.Tensor:
+                    state_reduce: StateReduce | None = None, agree: Agree | None = None) -> torch.Tensor:
     """Return a tensor equal to z* whose backward is the implicit-function-theorem gradient.
     z* is in the solver's state dtype; so are f(z*) here and the adjoint iterate."""
     z_in = z_star.detach().requires_grad_()
@@ -49,7 +49,7 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
 
         with torch.no_grad():
             result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
-                             state_reduce=state_reduce)
+                             state_reduce=state_reduce, agree=agree)
         stats.backward_iterations = result.iterations
         # a device scalar: read with the other statistics at a log step, never here
         stats.backward_residual = (result.token_res.max() if result.token_res.numel()

@@ -32,6 +32,12 @@ class SolverConfig:
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
+      agree              rank (default) | dp: in training, each data-parallel rank stops its solves on
+                         its own micro-batch (every optimizer step waits for the slowest rank), or
+                         the stop decision (quantile, stall, non-finite) is taken over the DP group's
+                         samples as one process would over all of them: equal work on every rank, one
+                         3-int all-reduce over DP per iteration (forward and adjoint). Evaluation
+                         and decoding always stop per rank
       check_every        read the stop decision on the host every N iterations (and at the cap);
                          the iterations between are valid further iterates and count. 1 (default):
                          every iteration. With no stop rule that can fire (tol 0, no eta_min stop
@@ -67,6 +73,7 @@ class SolverConfig:
     anderson_lambda: float = 1e-4
     eps: float = 1e-6
     check_every: int = 1
+    agree: Literal["rank", "dp"] = "rank"
     backward: BackwardMode = "implicit"
     phantom_steps: int = 4
     backward_max_iter: int = 40

@@ -15,6 +15,8 @@ Here one iteration is f, then
   decide   per sample: best residual, patience, the next damping (Algorithm 1), and the decision
            [unconverged count, quantile met, stalled, non-finite, first non-finite iteration]
                                                                     grid: 1
+           (``solver.agree: dp``: the decision's counts are summed over the DP group first, then a
+           fifth kernel, ``_agreed``, commits the decision)
   update   z' = eta f(z) + (1 - eta) z, holding frozen tokens and, once a residual went
            non-finite, every token; the frozen flags and the last finite residual per token
                                                                     grid: blocks of tokens
@@ -44,7 +46,6 @@ definition); ``torch`` never. Block sizes are untuned defaults (not yet run on a
 """
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Callable
 
@@ -53,15 +54,15 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.host_reads import opaque_kernel
 
+FUSED_ERROR: Exception | None = None
 try:
-    triton = importlib.import_module("triton")
-    tl = importlib.import_module("triton.language")
-    FUSED_ERROR: Exception | None = None
+    import triton
+    import triton.language as tl
 except ModuleNotFoundError as exc:          # not installed: the PyTorch loop, said once on CUDA
-    triton = tl = None
+    triton = tl = None  # type: ignore[assignment]
     FUSED_ERROR = exc if exc.name not in ("triton", None) else None
 except Exception as exc:                    # installed but broken: an error where it is wanted
-    triton = tl = None
+    triton = tl = None  # type: ignore[assignment]
     FUSED_ERROR = exc
 AVAILABLE = triton is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -132,9 +133,28 @@ if AVAILABLE:
         tl.store(flags_ptr + 2 * B + b, (~(s < best)).to(tl.int64))
 
     @triton.jit
+    def _commit(n_unconverged, movable, n_bad, eta, next_eta, i, m, alive_ptr, first_bad_ptr, eta_out_ptr,
+                decision_ptr, k, limit):
+        """The iteration's decision from its counts (this rank's, or the DP group's): a non-finite
+        residual holds everything from now on, else eta moves on; the 5 numbers the host reads."""
+        alive = tl.load(alive_ptr)
+        first_bad = tl.load(first_bad_ptr)
+        bad_now = n_bad > 0
+        first_bad = tl.where((alive != 0) & bad_now, k, first_bad)
+        alive = tl.where(bad_now, 0, alive)
+        tl.store(eta_out_ptr + i, tl.where(alive != 0, next_eta, eta), mask=m)
+        tl.store(decision_ptr, n_unconverged)
+        tl.store(decision_ptr + 1, (n_unconverged <= limit).to(tl.int64))
+        tl.store(decision_ptr + 2, (movable == 0).to(tl.int64))
+        tl.store(decision_ptr + 3, (alive == 0).to(tl.int64))
+        tl.store(decision_ptr + 4, first_bad)
+        tl.store(alive_ptr, alive)
+        tl.store(first_bad_ptr, first_bad)
+
+    @triton.jit
     def _decide(flags_ptr, sres_ptr, best_ptr, patience_ptr, eta_ptr, eta_out_ptr, alive_ptr, first_bad_ptr,
-                consts_ptr, decision_ptr, B, k, limit, patience,
-                PATIENCE: tl.constexpr, BLOCK_B: tl.constexpr):
+                consts_ptr, decision_ptr, counts_ptr, B, k, limit, patience,
+                PATIENCE: tl.constexpr, AGREE: tl.constexpr, BLOCK_B: tl.constexpr):
         i = tl.arange(0, BLOCK_B)
         m = i < B
         nonfinite = tl.load(flags_ptr + i, mask=m, other=0)
@@ -150,21 +170,28 @@ if AVAILABLE:
             decay_now = left <= 0
             next_eta = tl.where(decay_now, eta * tl.load(consts_ptr + 2), eta)
             tl.store(patience_ptr + i, tl.where(decay_now, patience, left), mask=m)
-        alive = tl.load(alive_ptr)
-        first_bad = tl.load(first_bad_ptr)
-        bad_now = tl.max(nonfinite, axis=0) > 0
-        first_bad = tl.where((alive != 0) & bad_now, k, first_bad)
-        alive = tl.where(bad_now, 0, alive)
-        tl.store(eta_out_ptr + i, tl.where(alive != 0, next_eta, eta), mask=m)
         n_unconverged = tl.sum(unconverged, axis=0)
-        movable = (unconverged != 0) & ~(next_eta < tl.load(consts_ptr + 3))
-        tl.store(decision_ptr, n_unconverged)
-        tl.store(decision_ptr + 1, (n_unconverged <= limit).to(tl.int64))
-        tl.store(decision_ptr + 2, (tl.sum(movable.to(tl.int64), axis=0) == 0).to(tl.int64))
-        tl.store(decision_ptr + 3, (alive == 0).to(tl.int64))
-        tl.store(decision_ptr + 4, first_bad)
-        tl.store(alive_ptr, alive)
-        tl.store(first_bad_ptr, first_bad)
+        movable = tl.sum(((unconverged != 0) & ~(next_eta < tl.load(consts_ptr + 3))).to(tl.int64), axis=0)
+        n_bad = tl.max(nonfinite, axis=0)
+        if AGREE:        # the counts go to the DP group first; _agreed commits with its sums
+            tl.store(counts_ptr, n_unconverged)
+            tl.store(counts_ptr + 1, movable)
+            tl.store(counts_ptr + 2, n_bad.to(tl.int64))
+            tl.store(eta_out_ptr + i, next_eta, mask=m)
+        else:
+            _commit(n_unconverged, movable, n_bad, eta, next_eta, i, m, alive_ptr, first_bad_ptr, eta_out_ptr,
+                    decision_ptr, k, limit)
+
+    @triton.jit
+    def _agreed(counts_ptr, eta_ptr, eta_out_ptr, alive_ptr, first_bad_ptr, decision_ptr, B, k, limit,
+                BLOCK_B: tl.constexpr):
+        """``_decide``'s commit with the counts summed over the DP group (``solver.agree: dp``)."""
+        i = tl.arange(0, BLOCK_B)
+        m = i < B
+        eta = tl.load(eta_ptr + i, mask=m, other=0.0)
+        next_eta = tl.load(eta_out_ptr + i, mask=m, other=0.0)
+        _commit(tl.load(counts_ptr), tl.load(counts_ptr + 1), tl.load(counts_ptr + 2), eta, next_eta, i, m,
+                alive_ptr, first_bad_ptr, eta_out_ptr, decision_ptr, k, limit)
 
     @triton.jit
     def _update(z_ptr, f_ptr, out_ptr, eta_ptr, frozen_ptr, tres_ptr, res_ptr, alive_ptr, consts_ptr, N, D, T,
@@ -210,7 +237,7 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
                   every: int | None, limit: int, consensus, state_reduce, max_iter: int,
-                  real: torch.Tensor | None):
+                  real: torch.Tensor | None, agree=None):
     """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
     its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
     of samples that may stay unconverged (``quantile_limit``)."""
@@ -229,6 +256,7 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
     part, res, sres = torch.empty(2 * N, dtype=dtype, device=dev), torch.empty(N, dtype=dtype, device=dev), \
         torch.empty(B, dtype=dtype, device=dev)
     flags, decision = torch.empty(3 * B, dtype=torch.long, device=dev), torch.zeros(5, dtype=torch.long, device=dev)
+    counts = torch.zeros(3, dtype=torch.long, device=dev)
     best, patience_left = full(B, float("inf")), full(B, cfg.patience, torch.long)
     eta, eta_next = full(B, cfg.damping), torch.empty(B, dtype=dtype, device=dev)
     alive, first_bad = full(1, 1, torch.int32), full(1, max_iter, torch.long)
@@ -251,7 +279,11 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
                 L2=l2, HAS_REAL=real is not None, BLOCK_T=min(_pow2(T), 1024))
         agreed = flags if consensus is None else consensus(flags)
         _launch(_decide, (1,), agreed, sres, best, patience_left, eta, eta_next, alive, first_bad, consts,
-                decision, B, k, limit, cfg.patience, PATIENCE=cfg.patience > 0, BLOCK_B=_pow2(B))
+                decision, counts, B, k, limit, cfg.patience, PATIENCE=cfg.patience > 0, AGREE=agree is not None,
+                BLOCK_B=_pow2(B))
+        if agree is not None:
+            _launch(_agreed, (1,), agree(counts), eta, eta_next, alive, first_bad, decision, B, k, limit,
+                    BLOCK_B=_pow2(B))
         z_next = torch.empty_like(z)
         _launch(_update, grid_rows, z, fz, z_next, eta, frozen, token_res, res, alive, consts, N, D, T,
                 FREEZE=cfg.freeze_converged, BLOCK_R=block_r, BLOCK_D=block_d, enable_fp_fusion=False)

@@ -39,7 +39,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -49,6 +49,15 @@ from fpscale.solvers.config import SolverConfig
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
 # element-wise maximum over a process group, so every rank of that group takes the same decision.
 Consensus = Callable[[torch.Tensor], torch.Tensor]
+# An agreement sums a small int64 tensor over the data-parallel group (``solver.agree: dp``): the
+# stop decision's counts [unconverged, movable, non-finite] of the whole DP micro-batch; ``size`` is
+# the group's size (the quantile's batch is size x B).
+class Agree(Protocol):
+    size: int
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor: ...
+
+
 # A state reduction completes per-token partial norms when the iterate itself is split over a
 # process group (tensor-parallel channels): (tensor, "sum" | "max") -> the group's total.
 StateReduce = Callable[[torch.Tensor, str], torch.Tensor]
@@ -211,13 +220,17 @@ def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
-            max_iter: int | None = None, real: torch.Tensor | None = None) -> IterateResult:
+            max_iter: int | None = None, real: torch.Tensor | None = None,
+            agree: Agree | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
     the stop decision always uses detached values. ``state_reduce`` is given when ``z`` is
     this rank's slice of a state split over a group (norms and Anderson's Gram are completed).
     ``step`` may compute in any dtype; its result is brought to the state dtype (float32).
+    ``agree`` (``solver.agree: dp``): the stop decision is taken over the data-parallel group's
+    samples, B on each of ``agree.size`` ranks, as one process would over all of them (one 3-int
+    all-reduce per iteration); each sample's damping and patience stay its own.
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
     tol = cfg.tol
@@ -231,23 +244,22 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     frozen = torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev)
     token_res = torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev)
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
-    limit = quantile_limit(quantile, B)
+    limit = quantile_limit(quantile, B * (agree.size if agree is not None else 1))
     every = read_schedule(cfg, max_iter)
     if fused_wanted(cfg, z0):
         return fused.iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
-                                   state_reduce=state_reduce, max_iter=max_iter, real=real)
+                                   state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
-                                 eta, best, patience_left, frozen, token_res, anderson)
+                                 eta, best, patience_left, frozen, token_res, anderson, agree)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
-        fz, res, flags, best, patience_left, next_eta = _observe(
-            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce)
+        fz, res, counts, best, patience_left, next_eta = _observe(
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
         with torch.no_grad():
-            n_unconverged = flags.unconverged.sum()
-            stalled = (flags.unconverged & ~(next_eta < cfg.eta_min)).sum() == 0
-            decision = StopDecision.read(n_unconverged, n_unconverged <= limit, stalled, flags.nonfinite)
+            n_unconverged, movable, nonfinite = counts
+            decision = StopDecision.read(n_unconverged, n_unconverged <= limit, movable == 0, nonfinite)
         if decision.nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
@@ -287,8 +299,9 @@ def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
     if cfg.bookkeeping == "auto" and not z.is_cuda:
         return False
     if fused.FUSED_ERROR is not None:
+        error = fused.FUSED_ERROR
         raise RuntimeError(f"solver.bookkeeping = {cfg.bookkeeping}: triton is installed but does not import "
-                           f"({fused.FUSED_ERROR!r}); reinstall it, or set solver.bookkeeping=torch") from fused.FUSED_ERROR
+                           f"({error!r}); reinstall it, or set solver.bookkeeping=torch") from error
     if cfg.bookkeeping == "fused" and not fused.runnable(z):
         where = ("triton is not installed (pip install triton)" if not fused.AVAILABLE else
                  f"its kernels run on CUDA tensors, or on CPU under TRITON_INTERPRET=1 set before "
@@ -308,10 +321,12 @@ def _warn_unfused_once() -> None:
 
 
 def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, patience_left, eta,
-             consensus, state_reduce):
+             consensus, state_reduce, agree):
     """One application of f and what the iteration learns from it, without a host read: f(z) in the
-    state dtype, the residual per token, the (agreed) stop flags, and the per-sample patience and
-    damping after Algorithm 1. Returns (fz, res, flags, best, patience_left, next_eta)."""
+    state dtype, the residual per token, the per-sample patience and damping after Algorithm 1 (from
+    the flags agreed over the TP group), and the decision's device counts (unconverged samples,
+    unconverged samples whose next eta is not below eta_min, non-finite: summed over the DP group
+    with ``agree``). Returns (fz, res, counts, best, patience_left, next_eta)."""
     fz = step(z)
     if k == 1:
         check_step_output(fz, z)
@@ -337,11 +352,16 @@ def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, 
             patience_left = torch.where(decay_now, cfg.patience, patience_left)
         else:
             next_eta = eta
-    return fz, res, flags, best, patience_left, next_eta
+        counts = (flags.unconverged.sum(), (flags.unconverged & ~(next_eta < cfg.eta_min)).sum(), flags.nonfinite)
+        if agree is not None:        # the whole data-parallel micro-batch decides (solver.agree: dp)
+            n_unconverged, movable, bad = agree(torch.stack([c.long() for c in counts])).unbind()
+            counts = (n_unconverged, movable, bad > 0)
+    return fz, res, counts, best, patience_left, next_eta
 
 
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
-                      max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson) -> IterateResult:
+                      max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson,
+                      agree) -> IterateResult:
     """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
     ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
     a non-finite residual is remembered on the device and holds the state at its last finite
@@ -351,11 +371,12 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
     first_bad = torch.full((), max_iter, dtype=torch.long, device=z.device)
     stopped_by, k = "max_iter", 0
     for k in range(1, max_iter + 1):
-        fz, res, flags, best, patience_left, next_eta = _observe(
-            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce)
+        fz, res, counts, best, patience_left, next_eta = _observe(
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
+        n_unconverged, movable, nonfinite = counts
         with torch.no_grad():
-            first_bad = torch.where(alive & flags.nonfinite, k, first_bad)
-            alive = alive & ~flags.nonfinite
+            first_bad = torch.where(alive & nonfinite, k, first_bad)
+            alive = alive & ~nonfinite
         if anderson is not None:
             z_next = anderson.step(z, fz, eta)
         else:
@@ -372,9 +393,7 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
         z = z_next
         if k == max_iter or (every is not None and k % every == 0):
             with torch.no_grad():
-                n_unconverged = flags.unconverged.sum()
-                stalled = (flags.unconverged & ~(next_eta < cfg.eta_min)).sum() == 0
-                decision, bad_at = StopDecision.read_lagged(n_unconverged, n_unconverged <= limit, stalled,
+                decision, bad_at = StopDecision.read_lagged(n_unconverged, n_unconverged <= limit, movable == 0,
                                                             ~alive, first_bad)
             if decision.nonfinite:
                 stopped_by, k = "nonfinite", bad_at

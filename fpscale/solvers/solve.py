@@ -16,7 +16,7 @@ import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Consensus, StateReduce, iterate, state_dtype
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, iterate, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -24,7 +24,8 @@ from fpscale.solvers.stats import SolverStats
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
           *, training: bool | None = None, consensus: Consensus | None = None,
           state_reduce: StateReduce | None = None, max_iter: int | None = None,
-          real: torch.Tensor | None = None, iterate_free: bool = False) -> tuple[torch.Tensor, SolverStats]:
+          real: torch.Tensor | None = None, iterate_free: bool = False,
+          agree: Agree | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
     training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
@@ -36,6 +37,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     max_iter   overrides the cap for this call (randomised caps, an evaluation depth).
     real       [batch, tokens] bool: the tokens that count in the stop test (left padding is
                not real; its residual counts as 0, so it never holds a sample's solve up).
+    agree      sums the stop decision's counts over the data-parallel group (``solver.agree: dp``):
+               the forward and the adjoint solve stop as one process over the DP group's samples.
     iterate_free  f never reads its iterate (a plain Mamba baseline: ``FPMambaSpec.iterate_free``):
                f(z0) is then the exact fixed point, and the solve is that one application, under
                grad when grad mode is on (``apply_once``), whatever the cap and the backward mode.
@@ -66,7 +69,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                         state_reduce=state_reduce, max_iter=cap, real=real)
+                         state_reduce=state_reduce, max_iter=cap, real=real, agree=agree)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
                         final_eta=result.eta, tol=cfg.tol)
@@ -74,7 +77,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if not grad or unroll:
         return z, stats
     if implicit:
-        return attach_implicit(f, z, cfg, stats, consensus, state_reduce), stats
+        return attach_implicit(f, z, cfg, stats, consensus, state_reduce, agree), stats
     return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats
 
 

@@ -112,14 +112,16 @@ class MetricsWriter:
         eta = elapsed / max(step, 1) * (total - step)
         iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{s['iters_mean']:.1f}"
                          + (f" (depth {s['depth_mean']:.2f})" if "depth_mean" in s else "")
+                         + (f" (dp max {s['iters_dp_max']:.1f})" if "iters_dp_max" in s else "")
                          for name, s in record.get("layers", {}).items())
+        wait = f" dp wait ~{record['dp_wait_est']:.0%}" if "dp_wait_est" in record else ""
         aux = f" aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
         mfu = (f" mfu {record['mfu_executed']:.1%}/{record['mfu_nominal']:.1%}" if "mfu_executed" in record
                else f" {record['tflops_executed'] * 1e3:.1f}/{record['tflops_nominal'] * 1e3:.1f} GFLOP/s")
         skipped = f" skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
         log.info(f"step {step:>6}/{total} loss {record['loss']:.4f}{aux} lr {record['lr']:.2e} "
                  f"gnorm {record['grad_norm']:.3f}{skipped} {record['tokens_per_s']:,.0f} tok/s{mfu} "
-                 f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}")
+                 f"eta {eta / 60:.1f} min {('iters ' + iters) if iters else ''}{wait}")
 
     def close(self) -> None:
         """Flush and close; closing again does nothing."""

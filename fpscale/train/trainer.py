@@ -18,6 +18,7 @@ from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
 from fpscale.log import get_logger
 from fpscale.models import build_model, kernels
+from fpscale.parallel import agree
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -27,6 +28,7 @@ from fpscale.train import checkpoint, faults
 from fpscale.train.config import resolve_batch
 from fpscale.train.deepspeed_config import deepspeed_config
 from fpscale.train.flops import peak_tflops, training_flops
+from fpscale.train.imbalance import dp_imbalance
 from fpscale.train.metrics import MetricsWriter, peak_memory_gib, perplexity, reset_peak_memory, summarize_layers
 from fpscale.train.optim import AdamW
 from fpscale.train.precision import autocast, set_matmul_precision
@@ -160,6 +162,7 @@ class Trainer:
         seed_default_stream(cfg.seed, self.state)
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
+        agree.attach(self.model, self.state)          # solver.agree: dp
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
@@ -359,17 +362,23 @@ class Trainer:
             faults.at("step", self.step + 1)
             out = self.train_step()
             tokens += out["tokens"]
+            per_step = 0
             for name, rows in out["layer_stats"].items():
                 window.setdefault(name, []).extend(rows)
+                per_step = len(rows)
             if self.step % t.log_interval == 0 or self.step == t.steps:
                 now = time.perf_counter()
                 tokens_per_s = tokens / max(now - t_last, 1e-9)
-                layers = summarize_layers(as_dicts(window))
+                rows = as_dicts(window)
+                layers = summarize_layers(rows)
+                spread, dp_wait = dp_imbalance(rows, per_step, self.state)     # one gather over DP
+                for name, extra in spread.items():
+                    layers[name].update(extra)
                 # loss and ppl: the cross-entropy; aux_loss: what the looped layers added to it
                 record = {"step": self.step, "kind": "train", "loss": out["loss"], "ppl": perplexity(out["loss"]),
                           **({"aux_loss": out["aux_loss"]} if "aux_loss" in out else {}),
                           "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped_steps": self.progress.skipped_steps,
-                          "tokens_per_s": tokens_per_s,
+                          "tokens_per_s": tokens_per_s, **({"dp_wait_est": dp_wait} if dp_wait is not None else {}),
                           **self.compute_record(layers, tokens_per_s), "kernels": kernels.used(), "layers": layers}
                 self.metrics.log(record)
                 self.metrics.console(self.step, t.steps, record)

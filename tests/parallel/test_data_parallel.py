@@ -35,6 +35,16 @@ def test_zero3_with_uneven_convergence_across_ranks_finishes(tmp_path):
     assert all(s["grad_norm"] == s["grad_norm"] for s in r0["steps"])     # finite, not NaN
 
 
+def test_agree_dp_makes_ranks_with_uneven_tolerances_run_the_same_iterations(tmp_path):
+    """solver.agree: dp through the trainer (ZeRO-1): the ranks' own tolerances differ, yet every
+    solve stops when the DP group's decision says so, on both ranks at the same iteration."""
+    torchrun(2, SCRIPT, [str(tmp_path), "zero_stage=1", "rank_tol=5e-1,1e-7", "solver.max_iter=12",
+                         "solver.agree=dp"], timeout=300)
+    r0, r1 = read_ranks(str(tmp_path))
+    assert [s["iterations"] for s in r0["steps"]] == [s["iterations"] for s in r1["steps"]]
+    assert all(s["grad_norm"] == s["grad_norm"] for s in r0["steps"])
+
+
 @pytest.fixture(scope="module")
 def reference_nan(tmp_path_factory):
     return one_process_reference(str(tmp_path_factory.mktemp("ref_nan")), "nan_at=2")

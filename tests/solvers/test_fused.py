@@ -74,7 +74,8 @@ def contraction(dtype, B=4, T=6, d=16, seed=0, bf16=False, bad_at=None, bad_samp
     that application on, sample ``bad_sample`` of f(z) is NaN; ``bf16``: f computes in bfloat16."""
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(d, d, generator=g, dtype=torch.float64) / d ** 0.5 * 0.4
-    x = torch.randn(B, T, d, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, B, dtype=torch.float64)[:, None, None]
+    scale = torch.linspace(0.2, 3.0, B, dtype=torch.float64)[:, None, None]
+    x = torch.randn(B, T, d, generator=g, dtype=torch.float64) * scale
     W, x = W.to(dtype), x.to(dtype)
     calls = [0]
 
@@ -175,7 +176,8 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
     tokens = token_batches(64, n=1, batch=4, seq=17, seed=3)[0]
     runs = []
     for mode in ("torch", "fused"):
-        cfg = fpscale.load_config(ROOT / "configs" / f"{name}.yaml", ["model.vocab_size=64", f"solver.bookkeeping={mode}"])
+        cfg = fpscale.load_config(ROOT / "configs" / f"{name}.yaml",
+                                  ["model.vocab_size=64", f"solver.bookkeeping={mode}"])
         torch.manual_seed(0)
         model = fpscale.build_model(cfg).to(dtype)
         model.train()
