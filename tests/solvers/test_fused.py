@@ -166,6 +166,29 @@ def test_kernel_left_padding_and_a_bf16_map():
     assert_same(a, b)
 
 
+class Twin:
+    """solver.agree: dp as if a second rank saw exactly this rank's samples: the counts doubled."""
+    size = 2
+
+    def __call__(self, counts):
+        return counts * 2
+
+
+@interpreted
+@pytest.mark.parametrize("bad_at", [None, 4])
+def test_kernel_agree_dp_commits_the_groups_decision_as_the_pytorch_loop(bad_at):
+    """The fused loop's fifth kernel (``_agreed``) against the PyTorch loop with the same agreement:
+    the quantile over 2 x B samples, a non-finite residual seen through the group's count."""
+    results = []
+    for mode in ("torch", "fused"):
+        f, z0 = contraction(torch.float32, bad_at=bad_at)
+        with torch.no_grad():
+            results.append(iterate(f, z0, SolverConfig(tol=1e-6, max_iter=60, bookkeeping=mode), quantile=0.25,
+                                   agree=Twin()))
+    assert_same(*results)
+    assert results[0].stopped_by == ("quantile" if bad_at is None else "nonfinite")
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name", TINY)
