@@ -2,7 +2,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fpscale.data.fineweb import prepare
+from fpscale.data.prepare import prepare
 
 WORDS = ("fixed point iteration converges when the map is a contraction; damping helps "
          "oscillating maps. Ünïcödé — ελληνικά 中文 emoji 🙂 and code:\n    def f(x):\n        return x\n").split(" ")

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import save_file
 
 import fpscale
-from fpscale.data.fineweb import train_tokenizer
+from fpscale.data.tokenizer import train_tokenizer
 from fpscale.hf.export import export_hf
 from fpscale.typed import to_dict
 
