@@ -225,8 +225,9 @@ def prepare(out_dir: str, files: list[str] | None = None, name: str | None = Non
     # 1. the tokenizer; 2. the plan: a resume must produce the same bytes. The settings were compared
     #    above; what only the tokenizer tells (a tokenizer.model replaced by hand) is compared here.
     tok = _tokenizer(out_dir, source, tokenizer, vocab_size, tokenizer_sample_docs, workers, eos_token, progress)
-    plan = Plan(source=request["source"], vocab_size=tok.vocab_size, dtype=tokenizers.token_dtype(tok.vocab_size, dtype),
-                val_fraction=val_fraction, docs_per_shard=docs_per_shard, tokenizer_sha256=sha256_file(tok.path),
+    plan = Plan(source=request["source"], vocab_size=tok.vocab_size,
+                dtype=tokenizers.token_dtype(tok.vocab_size, dtype), val_fraction=val_fraction,
+                docs_per_shard=docs_per_shard, tokenizer_sha256=sha256_file(tok.path),
                 text_column=text_column, skip_empty=skip_empty,
                 tokenizer_sample_docs=None if tokenizer else tokenizer_sample_docs)
     plan_path = os.path.join(out_dir, "plan.json")

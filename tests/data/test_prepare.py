@@ -8,9 +8,9 @@ import pytest
 import sentencepiece as spm
 
 from fpscale.data.prepare import DataError, prepare
+from fpscale.data.shards import TokenShards
 from fpscale.data.tokenizer import token_dtype
 from fpscale.data.writer import is_validation
-from fpscale.data.shards import TokenShards
 from tests.data.conftest import make_docs, write_parquet
 
 
