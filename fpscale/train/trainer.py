@@ -46,7 +46,12 @@ def build_datasets(cfg: Config):
         from fpscale.data.synthetic import SyntheticTask
         return (SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed, d.period),
                 SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed + 1_000_003, d.period))
+    if d.blend:
+        from fpscale.data.blend import open_blend
+        return open_blend(d)
+    from fpscale.data.blend import check_data
     from fpscale.data.shards import TokenShards
+    check_data(d, cfg.model.vocab_size)           # a Megatron prefix as data.path, the vocabulary
     train = TokenShards(d.path, "train", d.seq_len)
     val = TokenShards(d.path, "val", d.seq_len)
     train.check_vocab(cfg.model.vocab_size)
