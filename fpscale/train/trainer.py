@@ -191,7 +191,8 @@ class Trainer:
             resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
         self.preempted = False
         log = log and self.state.is_main
-        self.metrics = MetricsWriter(self.run_dir, enabled=log)
+        self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,
+                                     config=config_to_dict(cfg), wandb_project=t.wandb_project, wandb_mode=t.wandb_mode)
         if log:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
