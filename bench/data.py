@@ -18,9 +18,9 @@ from pathlib import Path
 
 from common import print_table, write_json
 
-from fpscale.data.fineweb import _encode_unit, _init_worker
 from fpscale.data.loader import DistributedBatches
 from fpscale.data.shards import TokenShards
+from fpscale.data.tokenizer import _encode_unit, _init_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 

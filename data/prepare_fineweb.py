@@ -2,9 +2,10 @@
 
     python data/prepare_fineweb.py --name sample-10BT --out cache/fineweb --vocab-size 50304
     python data/prepare_fineweb.py --files 'cache/corpus/raw/*.parquet' --out cache/corpus --vocab-size 8000
+    python data/prepare_fineweb.py --files 'raw/*.parquet' --out cache/gpt2 --tokenizer gpt2/tokenizer.json
 
 Re-running the same command continues an interrupted preparation; a folder prepared with other
-settings is refused (exit 2, naming what differs) unless --overwrite. See fpscale/data/fineweb.py.
+settings is refused (exit 2, naming what differs) unless --overwrite. See fpscale/data/prepare.py.
 """
 import argparse
 import os
@@ -12,7 +13,7 @@ import sys
 import time
 
 from fpscale.cli import reported
-from fpscale.data.fineweb import prepare
+from fpscale.data.prepare import prepare
 
 
 @reported
@@ -23,7 +24,10 @@ def main(argv=None) -> int:
     src.add_argument("--files", nargs="+", help="local .parquet / .jsonl files (globs) in FineWeb's schema")
     ap.add_argument("--dataset", default="HuggingFaceFW/fineweb")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tokenizer", help="an existing SentencePiece .model (else one is trained)")
+    ap.add_argument("--tokenizer", help="an existing SentencePiece .model or Hugging Face tokenizer.json "
+                                        "(else a SentencePiece BPE is trained)")
+    ap.add_argument("--eos-token", help="tokenizer.json: the token that ends each document (default: the first "
+                                        "of <|endoftext|>, </s>, <|end_of_text|>, <eos>, <|im_end|>, [SEP] it holds)")
     ap.add_argument("--vocab-size", type=int, default=8000)
     ap.add_argument("--dtype", choices=["uint16", "uint32"], help="default: uint16 when the vocabulary fits")
     ap.add_argument("--val-fraction", type=float, default=0.01)
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
                    vocab_size=args.vocab_size, dtype=args.dtype, val_fraction=args.val_fraction,
                    docs_per_shard=args.docs_per_shard, tokenizer_sample_docs=args.tokenizer_sample_docs,
                    workers=args.workers, text_column=args.text_column, skip_empty=args.skip_empty,
-                   max_shards=args.max_shards, overwrite=args.overwrite)
+                   max_shards=args.max_shards, overwrite=args.overwrite,
+                   eos_token=args.eos_token)
     if not meta.get("complete"):
         print(f"stopped after {meta['shards']} shards; run the same command again to continue")
         return 0

@@ -48,6 +48,10 @@ class Config:
             self.train.global_batch = tokens // seq
         if self.train.micro_batch != "auto":        # auto: checked when the trainer resolves it
             self._check_solvers(self.train.micro_batch)
+        if self.data.source == "shards" and self.data.blend:
+            # the blend's sources on disk: one tokenizer, one that model.vocab_size holds
+            from fpscale.data.blend import check_data
+            check_data(self.data, self.model.vocab_size)
 
     def check_micro_batch(self, micro_batch: int) -> None:
         """Warn where a layout's micro-batch (``resolve_batch``, smaller than ``train.micro_batch``)

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="output folder for model.safetensors + config.yaml (or the HF folder)")
     ap.add_argument("--to", choices=["safetensors", "hf"], default="safetensors",
                     help="what --checkpoint becomes: fpscale's safetensors + config.yaml, or a Hugging Face folder")
-    ap.add_argument("--tokenizer", help="--to hf: the SentencePiece model (default: beside the config's data.path)")
+    ap.add_argument("--tokenizer", help="--to hf: the SentencePiece model or tokenizer.json (default: the one the "
+                         "config's data was prepared with)")
     ap.add_argument("--no-tokenizer", action="store_true", help="--to hf: no tokenizer (synthetic-token models)")
     ap.add_argument("--eval-depth", type=int, default=None,
                     help="--to hf: the evaluation depth recorded in config.json (default: each layer's eval_max_iter)")

@@ -5,7 +5,8 @@ e = p // N at offset p % N and reads sample perm_e[p % N], where perm_e is a per
 N samples seeded by (seed, e). Step s consumes positions [s*G, (s+1)*G) for a global batch of G
 samples; DP rank r takes the r-th contiguous slice of G / dp. So the union over ranks is the
 same global batch for every DP size, and resuming at ``consumed_samples`` continues the very
-same stream. The whole loader state is one small record (:class:`LoaderState`).
+same stream. The whole loader state is one small record (:class:`LoaderState`). A blend of
+sources brings its own order of global positions (fpscale/data/blend.py), cut the same way.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ class GlobalOrder:
         return out
 
 
+def global_order(dataset, seed: int):
+    """The dataset's own order when it defines one (a blend: fpscale/data/blend.py), else
+    :class:`GlobalOrder` over its samples."""
+    if hasattr(dataset, "order"):
+        return dataset.order(seed)
+    return GlobalOrder(dataset.num_samples, seed, getattr(dataset, "needs_shuffle", True))
+
+
 class DistributedBatches:
     """Yields this rank's micro-batches [micro, seq_len + 1] in global order."""
 
@@ -58,7 +67,7 @@ class DistributedBatches:
                              f"x data-parallel size {dp_size}")
         self.dataset, self.global_batch, self.micro = dataset, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.order = GlobalOrder(dataset.num_samples, seed, getattr(dataset, "needs_shuffle", True))
+        self.order = global_order(dataset, seed)
         self.consumed_samples = consumed_samples
 
     def state(self) -> LoaderState:

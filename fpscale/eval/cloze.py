@@ -20,7 +20,8 @@ import os
 import random
 import re
 
-from fpscale.data.fineweb import expand_files, is_validation, iter_texts, open_documents
+from fpscale.data.fineweb import expand_files, iter_texts, open_documents
+from fpscale.data.writer import is_validation
 from fpscale.errors import DataError
 
 TASK = "fpscale_cloze"

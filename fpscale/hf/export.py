@@ -7,7 +7,9 @@
 The folder holds
   config.json                FpscaleConfig: fpscale's model and solver sections, auto_map
   model.safetensors          the whole weights (any checkpoint layout, consolidated), "model." + fpscale's names
-  tokenizer.model            the SentencePiece model, with tokenizer_config.json (FpscaleTokenizer)
+  tokenizer.model            the SentencePiece model, with tokenizer_config.json (FpscaleTokenizer), or
+  tokenizer.json             the Hugging Face tokenizer the data was prepared with, with tokenizer_config.json
+                             (PreTrainedTokenizerFast: AutoTokenizer encodes as the tokenizers library does)
   configuration_fpscale.py   }
   modeling_fpscale.py        } fpscale.hf's three files
   tokenization_fpscale.py    }
@@ -31,6 +33,7 @@ from fpscale.typed import to_dict
 PACKAGE = Path(__file__).resolve().parent.parent            # the fpscale package folder
 HF_MODULES = ("configuration_fpscale", "modeling_fpscale", "tokenization_fpscale")
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"                           # tested: 5.23.0
+SP_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}       # fpscale's SentencePiece models
 _FROM = re.compile(r"^(\s*)from fpscale((?:\.\w+)+) import", re.MULTILINE)
 
 
@@ -79,8 +82,9 @@ def write_code(out: str) -> list[str]:
     return [bundled_name(m) + ".py" for m in modules]
 
 
-def hf_config(cfg, eval_depth: int | None = None) -> dict:
-    """config.json of the fpscale Config ``cfg``."""
+def hf_config(cfg, eval_depth: int | None = None, ids: dict | None = None) -> dict:
+    """config.json of the fpscale Config ``cfg``; ``ids``: the tokenizer's bos/eos/pad token ids
+    (default: fpscale's SentencePiece ones, 1/2/2)."""
     model = to_dict(cfg.model)
     return {
         "model_type": "fpscale",
@@ -95,7 +99,7 @@ def hf_config(cfg, eval_depth: int | None = None) -> dict:
         "hidden_size": model["d_model"],
         "num_attention_heads": model["n_heads"],
         "max_position_embeddings": model["max_seq_len"],
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+        **(ids or SP_IDS),
         "tie_word_embeddings": False,
         "use_cache": True,
         "dtype": "float32",
@@ -103,29 +107,38 @@ def hf_config(cfg, eval_depth: int | None = None) -> dict:
 
 
 def default_tokenizer(cfg) -> str:
-    """The SentencePiece model beside the config's token shards (where data/prepare_fineweb.py puts it)."""
-    return os.path.join(os.path.dirname(str(cfg.data.path).rstrip("/")), "tokenizer.model")
+    """The tokenizer the config's data was prepared with (beside its token shards, where
+    data/prepare_fineweb.py puts it; a blend's first source's)."""
+    from fpscale.data.blend import data_tokenizer
+    return data_tokenizer(cfg.data)
 
 
 def export_hf(source: str, out: str, tokenizer: str | bool | None = None, eval_depth: int | None = None) -> str:
     """Write the Hugging Face folder of ``source`` (a checkpoint of any layout or exported weights)
-    to ``out``. ``tokenizer``: the SentencePiece model (None: the one beside the config's token
-    shards; False: none, for a model of synthetic tokens). Returns ``out``."""
+    to ``out``. ``tokenizer``: the SentencePiece model or tokenizer.json (None: the one the config's
+    data was prepared with; False: none, for a model of synthetic tokens). Returns ``out``."""
     import torch
     from safetensors.torch import save_file
 
     from fpscale.train.checkpoint import load_model
     model, cfg = load_model(source)
     tok = None if tokenizer is False else str(tokenizer or default_tokenizer(cfg))
+    hf_tok = None
     if tok is not None:
-        check_tokenizer(tok, cfg.model.vocab_size)
+        hf_tok = check_tokenizer(tok, cfg.model.vocab_size)
+    ids = SP_IDS if hf_tok is None else {f"{k}_token_id": hf_tok.eos_id for k in ("bos", "eos", "pad")}
     os.makedirs(out, exist_ok=True)
     weights = {f"model.{k}": v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    write_json(os.path.join(out, "config.json"), hf_config(cfg, eval_depth))
-    write_json(os.path.join(out, "generation_config.json"),
-               {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False})
-    if tok is not None:
+    write_json(os.path.join(out, "config.json"), hf_config(cfg, eval_depth, ids))
+    write_json(os.path.join(out, "generation_config.json"), {**ids, "do_sample": False})
+    if hf_tok is not None:
+        shutil.copyfile(tok, os.path.join(out, "tokenizer.json"))
+        eos = hf_tok.eos_token
+        write_json(os.path.join(out, "tokenizer_config.json"), {
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_seq_len,
+            "padding_side": "left", "add_bos_token": False, "bos_token": eos, "eos_token": eos, "pad_token": eos})
+    elif tok is not None:
         shutil.copyfile(tok, os.path.join(out, "tokenizer.model"))
         write_json(os.path.join(out, "tokenizer_config.json"), {
             "tokenizer_class": "FpscaleTokenizer",
@@ -136,14 +149,24 @@ def export_hf(source: str, out: str, tokenizer: str | bool | None = None, eval_d
     return out
 
 
-def check_tokenizer(path: str, vocab_size: int) -> None:
+def check_tokenizer(path: str, vocab_size: int):
+    """Refuse a missing tokenizer or one larger than the model; a tokenizer.json's HFTokenizer
+    (fpscale.data.tokenizer), None for a SentencePiece model."""
     if not os.path.isfile(path):
-        raise UserError(f"--tokenizer: no SentencePiece model at {path}; give the tokenizer.model the data was "
-                         f"prepared with (or --no-tokenizer for a model of synthetic tokens)")
+        raise UserError(f"--tokenizer: no tokenizer at {path}; give the tokenizer.model or tokenizer.json the data "
+                         f"was prepared with (or --no-tokenizer for a model of synthetic tokens)")
+    if path.endswith(".json"):
+        from fpscale.data.tokenizer import HFTokenizer
+        tok = HFTokenizer(path)
+        if tok.vocab_size > vocab_size:
+            raise UserError(f"--tokenizer: {path} has {tok.vocab_size} tokens, more than model.vocab_size = "
+                            f"{vocab_size}")
+        return tok
     import sentencepiece as spm
     pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
     if pieces > vocab_size:
         raise UserError(f"--tokenizer: {path} has {pieces} pieces, more than model.vocab_size = {vocab_size}")
+    return None
 
 
 def write_json(path: str, data: dict) -> None:

@@ -61,6 +61,9 @@ class TrainConfig:
     init_weights: str = ""        # start from whole weights: a folder with model.safetensors (launch/convert.py)
     peak_tflops: float = 0.0      # device peak for MFU; 0 = a known GPU (fpscale/train/flops.py), else no MFU
     gpu_memory_gib: float = 0.0   # the budget micro_batch: auto plans for; 0 = the GPU's own memory
+    loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=lambda: ["tensorboard"])  # + jsonl
+    wandb_project: str = "fpscale"
+    wandb_mode: Literal["auto", "offline", "online"] = "auto"   # auto: offline unless an API key is set
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
@@ -95,6 +98,7 @@ class TrainConfig:
         check(self.keep_last >= 0, f"{prefix}.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         check(bool(self.resume), f"{prefix}.resume", "must be auto, none or a checkpoint folder")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
+        check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", f"lists a logger twice: {self.loggers}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,14 @@
 """Run metrics: one JSON object per logged step in metrics.jsonl, the same scalars in
-TensorBoard, a console line with ETA. Per fixed-point layer: iteration statistics."""
+TensorBoard and/or Weights & Biases (``train.loggers``), a console line with ETA. Per fixed-point
+layer: iteration statistics.
+
+W&B (``train.loggers: [tensorboard, wandb]``, ``pip install -e .[wandb]``): rank 0 only, project
+``train.wandb_project``, the run named after the config's ``name`` with the resolved config as its
+config, offline (files under runs/<name>/wandb, ``wandb sync`` them later) unless an API key is set
+(WANDB_API_KEY or a ``wandb login``) or ``train.wandb_mode: online``. A resumed run continues the
+same W&B run (its id is kept in runs/<name>/wandb_run_id); W&B drops the steps a resume trains
+again (it accepts no step below the last one logged), which metrics.jsonl keeps.
+"""
 from __future__ import annotations
 
 import json
@@ -78,16 +87,74 @@ def summarize_halting(rows: list[dict]) -> dict:
     return out
 
 
+def scalars(record: dict, prefix: str = "train") -> dict[str, float]:
+    """The scalars of a record, by the tag every logger gets: ``{prefix}/{key}`` and
+    ``solver/{layer}/{key}``."""
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "kind") or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        out[f"{prefix}/{key}"] = value
+    for layer, stats in record.get("layers", {}).items():
+        for key, value in stats.items():
+            out[f"solver/{layer}/{key}"] = value
+    return out
+
+
+def wandb_has_key() -> bool:
+    """An API key in WANDB_API_KEY or in ~/.netrc (``wandb login``)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbLogger:
+    """One W&B run per fpscale run (resumed with it); see the module docstring."""
+
+    def __init__(self, run_dir: str, name: str, config: dict, project: str = "fpscale", mode: str = "auto"):
+        try:
+            import wandb
+        except ImportError:
+            from fpscale.errors import ConfigError
+            raise ConfigError("train.loggers", "wandb is not installed: pip install -e .[wandb] (or wandb)") from None
+        id_file = os.path.join(run_dir, "wandb_run_id")
+        if os.path.exists(id_file):
+            run_id = open(id_file).read().strip()
+        else:
+            import secrets
+            run_id = secrets.token_hex(4)
+            with open(id_file, "w") as fh:
+                fh.write(run_id)
+        if mode == "auto":
+            mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")
+        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=run_dir, config=config,
+                              mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: str, enabled: bool = True):
+    def __init__(self, run_dir: str, enabled: bool = True, loggers=("tensorboard",), name: str = "run",
+                 config: dict | None = None, wandb_project: str = "fpscale", wandb_mode: str = "auto"):
         self.enabled = enabled
-        self.tb = None
+        self.tb = self.wandb = None
         self.file = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            if "tensorboard" in loggers:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            if "wandb" in loggers:
+                self.wandb = WandbLogger(run_dir, name, config or {}, wandb_project, wandb_mode)
         self.t0 = time.time()
 
     def log(self, record: dict, prefix: str = "train") -> None:
@@ -95,15 +162,13 @@ class MetricsWriter:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        step = record["step"]
-        for key, value in record.items():
-            if key in ("step", "kind") or not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            self.tb.add_scalar(f"{prefix}/{key}", value, step)
-        for layer, stats in record.get("layers", {}).items():
-            for key, value in stats.items():
-                self.tb.add_scalar(f"solver/{layer}/{key}", value, step)
-        self.tb.flush()
+        step, values = record["step"], scalars(record, prefix)
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step)
 
     def console(self, step: int, total: int, record: dict) -> None:
         if not self.enabled:
@@ -127,7 +192,10 @@ class MetricsWriter:
         """Flush and close; closing again does nothing."""
         if self.enabled and not self.file.closed:
             self.file.close()
-            self.tb.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.close()
 
 
 def perplexity(loss: float) -> float:

@@ -48,7 +48,12 @@ def build_datasets(cfg: Config):
         from fpscale.data.synthetic import SyntheticTask
         return (SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed, d.period),
                 SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed + 1_000_003, d.period))
+    if d.blend:
+        from fpscale.data.blend import open_blend
+        return open_blend(d)
+    from fpscale.data.blend import check_data
     from fpscale.data.shards import TokenShards
+    check_data(d, cfg.model.vocab_size)           # a Megatron prefix as data.path, the vocabulary
     train = TokenShards(d.path, "train", d.seq_len)
     val = TokenShards(d.path, "val", d.seq_len)
     train.check_vocab(cfg.model.vocab_size)
@@ -189,7 +194,8 @@ class Trainer:
             resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
         self.preempted = False
         log = log and self.state.is_main
-        self.metrics = MetricsWriter(self.run_dir, enabled=log)
+        self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,
+                                     config=config_to_dict(cfg), wandb_project=t.wandb_project, wandb_mode=t.wandb_mode)
         if log:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as fh:
                 yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)

@@ -13,12 +13,33 @@ from fpscale.data.loader import validation_batches
 from fpscale.train.metrics import perplexity, summarize_layers
 
 
-@torch.no_grad()
 def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
              autocast=contextlib.nullcontext, progress: bool = False) -> dict:
     """``forward(inputs, targets=...)`` is the model or its DeepSpeed engine. Every DP rank
     evaluates whole batches (the same batches on any layout), all ranks the same number of
-    forwards (``validation_batches``), and the sums are all-reduced."""
+    forwards (``validation_batches``), and the sums are all-reduced.
+
+    A blend's validation (``dataset.parts``: [(name, weight, dataset)], fpscale/data/blend.py) runs
+    ``num_batches`` on each source: ``val_loss_<name>`` and ``val_ppl_<name>`` per source, and
+    ``val_loss`` the weight-averaged loss of the sources (its ``layers``: all sources' forwards)."""
+    parts = getattr(dataset, "parts", None)
+    if parts is None:
+        out, _ = _validate(forward, model, dataset, micro_batch, num_batches, state, autocast, progress)
+        return out
+    out, rows, loss = {}, {}, 0.0
+    for name, weight, part in parts:
+        one, part_rows = _validate(forward, model, part, micro_batch, num_batches, state, autocast, progress)
+        out[f"val_loss_{name}"], out[f"val_ppl_{name}"] = one["val_loss"], one["val_ppl"]
+        loss += weight * one["val_loss"]
+        for layer, r in part_rows.items():
+            rows.setdefault(layer, []).extend(r)
+    return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(rows), **out}
+
+
+@torch.no_grad()
+def _validate(forward, model, dataset, micro_batch: int, num_batches: int, state, autocast,
+              progress: bool) -> tuple[dict, dict[str, list[dict]]]:
+    """One dataset's validation record and its per-layer rows."""
     model.eval()
     batches = validation_batches(dataset, micro_batch, num_batches, state.dp_rank, state.dp_size)
     if progress and state.is_main and sys.stderr.isatty():       # a bar for people, not for log files
@@ -42,7 +63,7 @@ def validate(forward, model, dataset, micro_batch: int, num_batches: int, state,
         dist.all_reduce(sums, group=state.dp_group)
     total, count = sums.tolist()            # the one host synchronisation of a validation
     loss = total / count
-    return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}
+    return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}, layer_stats
 
 
 def validate_depths(forward, model, dataset, micro_batch: int, num_batches: int, depths, state,

@@ -1,15 +1,33 @@
-"""The global order: DP-size independence, exact resume, fixed validation batches."""
+"""The global order: DP-size independence, exact resume, fixed validation batches; for one
+prepared folder and for a blend of three sources (``dataset``)."""
 import numpy as np
 import pytest
 import torch
 
 from fpscale.data.loader import DistributedBatches, validation_batches
 from fpscale.data.shards import TokenShards
+from tests.data.conftest import blend_config
 
 
 @pytest.fixture(scope="module")
 def shards(prepared):
     return TokenShards(prepared + "/tokens", "train", 16)
+
+
+@pytest.fixture(scope="module", params=["shards", "blend"])
+def dataset(request, shards, blend_sources):
+    """One prepared folder, or the 0.5 / 0.3 / 0.2 blend of three (whose smallest source wraps
+    its epoch several times in the first block)."""
+    if request.param == "shards":
+        return shards
+    from fpscale.data.blend import open_blend
+    return open_blend(blend_config(blend_sources))[0]
+
+
+def boundary(dataset) -> int:
+    """A position 20 samples before an order boundary: the single source's epoch, the blend's block."""
+    from fpscale.data.blend import BLOCK, Blend
+    return (BLOCK if isinstance(dataset, Blend) else dataset.num_samples) - 20
 
 
 def test_samples_are_windows_of_the_stream(shards):
@@ -27,13 +45,14 @@ def global_batches(shards, dp, steps, consumed=0, micro=2, global_batch=8):
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_dp_ranks_read_their_slice_of_the_one_process_global_batch(shards, dp):
+def test_dp_ranks_read_their_slice_of_the_one_process_global_batch(dataset, dp):
     """In every global step, rank r of ``dp`` reads the r-th contiguous slice of what one process
     reads (micro-batch = the whole global batch), in the same order, so the ranks' union is the
-    one-process batch for any DP size. Starts 20 samples before an epoch ends, so the steps
-    cross into the next epoch's permutation."""
+    one-process batch for any DP size. Starts 20 samples before an epoch ends (a blend: a block),
+    so the steps cross into the next epoch's permutation (the next block's)."""
+    shards = dataset
     G, steps = 8, 6
-    start = shards.num_samples - 20
+    start = boundary(shards)
     one_process = DistributedBatches(shards, G, G, seed=7, consumed_samples=start)
     whole = [one_process.next_global_batch() for _ in range(steps)]
     assert all(len(w) == 1 for w in whole)
@@ -46,7 +65,8 @@ def test_dp_ranks_read_their_slice_of_the_one_process_global_batch(shards, dp):
     assert len({r.state().fingerprint for r in ranks}) == 1
 
 
-def test_resume_continues_the_stream_exactly(shards):
+def test_resume_continues_the_stream_exactly(dataset):
+    shards = dataset
     full, ranks = global_batches(shards, 2, 10)
     state = ranks[0].state()
     assert state.consumed_samples == 80

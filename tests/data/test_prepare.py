@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from fpscale.data.fineweb import DataError, is_validation, prepare, token_dtype
+from fpscale.data.prepare import DataError, prepare
 from fpscale.data.shards import TokenShards
+from fpscale.data.tokenizer import token_dtype
+from fpscale.data.writer import is_validation
 from tests.data.conftest import make_docs, write_parquet
 
 
@@ -168,7 +170,7 @@ def test_complete_folder_with_other_settings_is_refused(tmp_path, prepared, corp
 
 
 def test_other_files_or_tokenizer_are_refused(tmp_path, prepared, corpus_file):
-    from fpscale.data.fineweb import train_tokenizer
+    from fpscale.data.tokenizer import train_tokenizer
     out = copy_of(prepared, tmp_path)
     other = write_parquet(tmp_path / "other.parquet", make_docs(30, seed=3))
     with pytest.raises(DataError, match=r"out was prepared with other settings: source [0-9a-f]{16} there, "
@@ -194,14 +196,14 @@ def test_partial_folder_with_other_settings_is_refused(tmp_path, corpus_file):
 
 
 def test_same_command_returns_the_metadata_without_tokenizing(tmp_path, prepared, corpus_file, monkeypatch):
-    from fpscale.data import fineweb
+    from fpscale.data import fineweb, tokenizer
     out = copy_of(prepared, tmp_path)
     before = snapshot(out)
 
     def unused(*args, **kwargs):
         raise AssertionError("a complete folder was prepared again")
     monkeypatch.setattr(fineweb, "open_documents", unused)
-    monkeypatch.setattr(fineweb, "train_tokenizer", unused)
+    monkeypatch.setattr(tokenizer, "train_tokenizer", unused)
     meta = prepare(out, files=[corpus_file], **PREPARED)
     assert meta == json.load(open(os.path.join(prepared, "tokens", "metadata.json"))) and meta["complete"]
     assert snapshot(out) == before
