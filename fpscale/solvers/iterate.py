@@ -43,8 +43,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from fpscale.solvers import fused
 from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
+from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
 # element-wise maximum over a process group, so every rank of that group takes the same decision.
@@ -247,7 +248,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     limit = quantile_limit(quantile, B * (agree.size if agree is not None else 1))
     every = read_schedule(cfg, max_iter)
     if fused_wanted(cfg, z0):
-        return fused.iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
+        return iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
                                    state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
@@ -298,16 +299,16 @@ def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
         return False
     if cfg.bookkeeping == "auto" and not z.is_cuda:
         return False
-    if fused.FUSED_ERROR is not None:
-        error = fused.FUSED_ERROR
+    if FUSED_ERROR is not None:
+        error = FUSED_ERROR
         raise RuntimeError(f"solver.bookkeeping = {cfg.bookkeeping}: triton is installed but does not import "
                            f"({error!r}); reinstall it, or set solver.bookkeeping=torch") from error
-    if cfg.bookkeeping == "fused" and not fused.runnable(z):
-        where = ("triton is not installed (pip install triton)" if not fused.AVAILABLE else
+    if cfg.bookkeeping == "fused" and not runnable(z):
+        where = ("triton is not installed (pip install triton)" if not FUSED_AVAILABLE else
                  f"its kernels run on CUDA tensors, or on CPU under TRITON_INTERPRET=1 set before "
                  f"fpscale.solvers.fused is imported; this solve's state is on {z.device}")
         raise RuntimeError(f"solver.bookkeeping = fused: {where}. Use auto (fused on CUDA) or torch")
-    if not fused.AVAILABLE:
+    if not FUSED_AVAILABLE:
         _warn_unfused_once()
         return False
     return True
