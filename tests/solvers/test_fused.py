@@ -255,10 +255,10 @@ def test_kernel_four_kernels_and_one_read_per_iteration():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_kernel_tp2_with_fused_bookkeeping_equals_the_whole_model(tmp_path):
-    """tests/parallel/run_tp_model.py with solver.bookkeeping=fused: the flags agreed over the TP group
-    (consensus) and FP-Mamba's split state (state_reduce) in the kernels' loop; TP 2 = one process in
-    float64 (loss, every gradient, every solve's iterations). Anderson cases are not fused."""
-    os.environ["ONLY"] = "fpsa-implicit,fpmamba-householder-implicit,fpmamba-kronecker-jfb,looped-conv-implicit"
+    """tests/parallel/run_tp_model.py with solver.bookkeeping=fused on fpsa (the flags agreed over the TP
+    group: consensus) and FP-Mamba (its split state: state_reduce), implicit backward: TP 2 = one process
+    in float64 (loss, every gradient, every solve's iterations, forward and adjoint)."""
+    os.environ["ONLY"] = "fpsa-implicit,fpmamba-householder-implicit"      # consensus; and a split state
     os.environ["EXTRA"] = "solver.bookkeeping=fused"
     try:
         torchrun(2, "tests/parallel/run_tp_model.py", [str(tmp_path)], timeout=400)
