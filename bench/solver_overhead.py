@@ -9,9 +9,9 @@ tensor-to-host methods: fpscale.solvers.host_reads) and per solve, with the iter
 Then the aten ops of one iteration (a TorchDispatchMode, counted between caps 4 and 8 of a no-grad
 forward solve, so set-up is excluded): those inside f and the solver's bookkeeping around it, for
 each ``solver.bookkeeping``: torch (the PyTorch loop) and fused (fpscale.solvers.fused: a Triton
-launch counts as one op). On a machine without CUDA the fused kernels run under Triton's
-interpreter (this script sets TRITON_INTERPRET=1 before fpscale is imported): the counts are the
-same as on a GPU, which is what the table is for.
+launch counts as one op), and the bytes those ops read and write. On a machine without CUDA the
+fused kernels run under Triton's interpreter (this script sets TRITON_INTERPRET=1 before fpscale
+is imported): the counts are the same as on a GPU, which is what the table is for.
 
     python bench/solver_overhead.py                       # d 128, T 128, B 8
     python bench/solver_overhead.py --d 32 --T 16 --B 2   # a quick look
@@ -79,13 +79,15 @@ def counting_iterate(ops):
 
     def counted(step, *a, **kw):
         def f(z):
-            before = ops.total
+            before, bytes_before = ops.total, ops.bytes
             out = step(z)
             inner["f"] += ops.total - before
+            inner["f_bytes"] = inner.get("f_bytes", 0) + ops.bytes - bytes_before
             return out
-        before = ops.total
+        before, bytes_before = ops.total, ops.bytes
         result = real(f, *a, **kw)
         inner["all"] = inner.get("all", 0) + ops.total - before
+        inner["all_bytes"] = inner.get("all_bytes", 0) + ops.bytes - bytes_before
         inner["iters"] += result.iterations
         return result
 
@@ -120,6 +122,8 @@ def ops_row(kind: str, schedule: str, args) -> dict:
         all_ops = (b["all"] - a["all"]) / 4
         row["f_ops_per_iter"] = f_ops
         row[f"solver_ops_{bookkeeping}"] = all_ops - f_ops
+        moved = (b["all_bytes"] - a["all_bytes"] - b["f_bytes"] + a["f_bytes"]) / 4
+        row[f"solver_MiB_{bookkeeping}"] = round(moved / 2 ** 20, 3)
     return row
 
 
@@ -146,7 +150,10 @@ def main(argv=None):
                             "reads_per_solve", "reads_per_iter"])
     print("\naten ops per forward iteration (no grad): inside f vs the solver's bookkeeping (incl. the read), "
           "by solver.bookkeeping (a Triton launch counts as one)")
-    print_table(op_rows, ["layer", "schedule", "f_ops_per_iter", *(f"solver_ops_{b}" for b in BOOKKEEPING)])
+    print_table(op_rows, ["layer", "schedule", "f_ops_per_iter", *(f"solver_ops_{b}" for b in BOOKKEEPING),
+                          *(f"solver_MiB_{b}" for b in BOOKKEEPING)])
+    print("(solver_MiB: the bytes the bookkeeping's ops read and write per iteration, views aside: the "
+          "memory traffic beside f's)")
     write_json("solver_overhead", {"args": vars(args), "read_rows": read_rows, "op_rows": op_rows}, args.out)
     assert all(math.isfinite(r["reads_per_step"]) for r in read_rows)
 

@@ -52,7 +52,8 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.host_reads import opaque_kernel
+from fpscale.solvers.host_reads import _ACTIVE as COUNTING
+from fpscale.solvers.host_reads import opaque_kernel, tensor_bytes
 
 FUSED_ERROR: Exception | None = None
 try:
@@ -231,7 +232,10 @@ def _pow2(n: int) -> int:
 
 
 def _launch(kernel, grid, *args, **meta) -> None:
-    with opaque_kernel(f"triton.solver.{kernel.__name__.lstrip('_')}"):
+    """``kernel[grid](*args, **meta)``; under a counter (bench/solver_overhead.py) one op that moves
+    its tensor arguments once each (what each of these kernels reads or writes)."""
+    moved = tensor_bytes(args) if COUNTING else 0
+    with opaque_kernel(f"triton.solver.{kernel.__name__.lstrip('_')}", moved):
         kernel[grid](*args, **meta)
 
 

@@ -73,11 +73,14 @@ def count_host_reads() -> Iterator[HostReads]:
 
 
 class AtenOps(TorchDispatchMode):
-    """A dispatch mode counting the aten operations run inside it (``total``, ``by_op``)."""
+    """A dispatch mode counting the aten operations run inside it (``total``, ``by_op``) and the bytes
+    they move (``bytes``: the sizes of every tensor an op that is not a view reads or writes, its inputs
+    and outputs, each once: the memory traffic of a kernel that streams them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_op: Counter = Counter()
+        self.bytes = 0
 
     @property
     def total(self) -> int:
@@ -85,7 +88,16 @@ class AtenOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.by_op[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not str(func.overloadpacket).startswith("aten.empty"):   # allocation: no traffic
+            self.bytes += tensor_bytes(args, kwargs, out)
+        return out
+
+
+def tensor_bytes(*trees) -> int:
+    """The bytes of every tensor in ``trees`` (nested tuples, lists and dicts)."""
+    leaves = torch.utils._pytree.tree_leaves(trees)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -99,15 +111,17 @@ def count_aten_ops() -> Iterator[AtenOps]:
 
 
 @contextlib.contextmanager
-def opaque_kernel(name: str) -> Iterator[None]:
+def opaque_kernel(name: str, moved: int = 0) -> Iterator[None]:
     """Around the launch of one of fpscale's own kernels: each open AtenOps counter counts it as
-    the op ``name``, and nothing inside (the Triton interpreter's host copies) is counted."""
+    the op ``name`` moving ``moved`` bytes, and nothing inside (the Triton interpreter's host
+    copies) is counted."""
     if not _ACTIVE:
         yield
         return
     for counter in _ACTIVE:
         if isinstance(counter, AtenOps):
             counter.by_op[name] += 1
+            counter.bytes += moved
         else:
             counter.depth += 1
     try:

@@ -259,8 +259,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         fz, res, counts, best, patience_left, next_eta = _observe(
             step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
         with torch.no_grad():
-            n_unconverged, movable, nonfinite = counts
-            decision = StopDecision.read(n_unconverged, n_unconverged <= limit, movable == 0, nonfinite)
+            n_unconverged, movable = counts.sums()
+            decision = StopDecision.read(n_unconverged, n_unconverged <= limit, movable == 0, counts.nonfinite)
         if decision.nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
@@ -353,11 +353,33 @@ def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, 
             patience_left = torch.where(decay_now, cfg.patience, patience_left)
         else:
             next_eta = eta
-        counts = (flags.unconverged.sum(), (flags.unconverged & ~(next_eta < cfg.eta_min)).sum(), flags.nonfinite)
-        if agree is not None:        # the whole data-parallel micro-batch decides (solver.agree: dp)
-            n_unconverged, movable, bad = agree(torch.stack([c.long() for c in counts])).unbind()
-            counts = (n_unconverged, movable, bad > 0)
+        counts = _Counts(flags, next_eta, cfg.eta_min, agree)
     return fz, res, counts, best, patience_left, next_eta
+
+
+class _Counts:
+    """What the stop decision counts in one iteration, on the device: unconverged samples, unconverged
+    samples whose next eta is not below eta_min, and whether a residual was non-finite. With ``agree``
+    (solver.agree: dp) all three are summed over the DP group at once, every iteration (the non-finite
+    flag is needed by every iteration); without it the two sums are made only where a read needs them."""
+
+    def __init__(self, flags: StopFlags, next_eta: torch.Tensor, eta_min: float, agree):
+        self.flags, self.next_eta, self.eta_min = flags, next_eta, eta_min
+        self.summed = None
+        if agree is not None:
+            n_unconverged, movable, bad = agree(torch.stack([t.long() for t in (*self._local(), flags.nonfinite)]))
+            self.summed = (n_unconverged, movable)
+            self.nonfinite = bad > 0
+        else:
+            self.nonfinite = flags.nonfinite
+
+    def _local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        unconverged = self.flags.unconverged
+        return unconverged.sum(), (unconverged & ~(self.next_eta < self.eta_min)).sum()
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unconverged samples, unconverged samples that can still move)."""
+        return self.summed if self.summed is not None else self._local()
 
 
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
@@ -374,10 +396,9 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
     for k in range(1, max_iter + 1):
         fz, res, counts, best, patience_left, next_eta = _observe(
             step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
-        n_unconverged, movable, nonfinite = counts
         with torch.no_grad():
-            first_bad = torch.where(alive & nonfinite, k, first_bad)
-            alive = alive & ~nonfinite
+            first_bad = torch.where(alive & counts.nonfinite, k, first_bad)
+            alive = alive & ~counts.nonfinite
         if anderson is not None:
             z_next = anderson.step(z, fz, eta)
         else:
@@ -394,6 +415,7 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
         z = z_next
         if k == max_iter or (every is not None and k % every == 0):
             with torch.no_grad():
+                n_unconverged, movable = counts.sums()
                 decision, bad_at = StopDecision.read_lagged(n_unconverged, n_unconverged <= limit, movable == 0,
                                                             ~alive, first_bad)
             if decision.nonfinite:
