@@ -92,3 +92,14 @@ class SolverStats:
     def to_dict(self) -> dict:
         """The statistics as host numbers, in one synchronisation."""
         return self.from_summary(self.summary().tolist())
+
+
+def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
+    """Every layer's statistics ({layer: [stats per forward]}, a log interval's or a validation's) as
+    dictionaries, read from the device in one synchronisation for all of them (``to_dicts``)."""
+    names = list(window)
+    flat = to_dicts([s for name in names for s in window[name]])
+    out, at = {}, 0
+    for name in names:
+        out[name], at = flat[at:at + len(window[name])], at + len(window[name])
+    return out

@@ -24,6 +24,7 @@ from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
+from fpscale.solvers.stats import as_dicts
 from fpscale.train import checkpoint, faults
 from fpscale.train.config import resolve_batch
 from fpscale.train.deepspeed_config import deepspeed_config
@@ -97,18 +98,6 @@ def collect_layer_stats(model, into: dict[str, list]) -> None:
     (``as_dicts``)."""
     for name, stats in model.layer_stats().items():
         into.setdefault(name, []).append(stats)
-
-
-def as_dicts(window: dict[str, list]) -> dict[str, list[dict]]:
-    """Every layer's statistics of a log interval as dictionaries, read from the device in one
-    synchronisation for all of them (``fpscale.solvers.stats.to_dicts``)."""
-    from fpscale.solvers.stats import to_dicts
-    names = list(window)
-    flat = to_dicts([s for name in names for s in window[name]])
-    out, at = {}, 0
-    for name in names:
-        out[name], at = flat[at:at + len(window[name])], at + len(window[name])
-    return out
 
 
 def validation_lines(record: dict) -> list[str]:

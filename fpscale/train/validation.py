@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fpscale.data.loader import validation_batches
+from fpscale.solvers.stats import as_dicts
 from fpscale.train.metrics import perplexity, summarize_layers
 
 
@@ -56,12 +57,13 @@ def _validate(forward, model, dataset, micro_batch: int, num_batches: int, state
             continue
         total += loss.detach().double() * batch.shape[0]
         count += batch.shape[0]
-        for name, stats in model.layer_stats().items():
-            layer_stats.setdefault(name, []).append(stats.to_dict())
+        for name, stats in model.layer_stats().items():      # device tensors, read once at the end
+            layer_stats.setdefault(name, []).append(stats)
     sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=state.device)])
     if state.distributed:
         dist.all_reduce(sums, group=state.dp_group)
-    total, count = sums.tolist()            # the one host synchronisation of a validation
+    total, count = sums.tolist()            # the loss: one host synchronisation
+    layer_stats = as_dicts(layer_stats)     # every layer's statistics of every batch: one more
     loss = total / count
     return {"val_loss": loss, "val_ppl": perplexity(loss), "layers": summarize_layers(layer_stats)}, layer_stats
 

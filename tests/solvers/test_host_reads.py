@@ -295,3 +295,27 @@ def test_aten_op_counter_sees_one_iteration():
     with count_aten_ops() as ops:
         torch.ones(2) + 1
     assert ops.total >= 2 and "aten.add" in ops.by_op
+
+
+class _Samples:
+    """A validation dataset of fixed token rows (``num_samples``, ``batch(indices)``)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.num_samples = rows, rows.shape[0]
+
+    def batch(self, index):
+        return self.rows[torch.as_tensor(index)]
+
+
+def test_a_validation_reads_twice_whatever_its_number_of_batches():
+    """Beside its solves' own reads (the eager stop, one per iteration), the loss sums once and every
+    layer's statistics of every batch once (they stay on the device until then)."""
+    from fpscale.parallel.state import ParallelState
+    from fpscale.train.validation import validate
+    model = tiny_model("mixed", solver=LIVE)
+    data = _Samples(token_batches(32, n=1, batch=12, seq=25)[0])
+    with count_host_reads() as reads:
+        out = validate(model, model, data, 3, 4, ParallelState())
+    assert len(out["layers"]) == 3 and all(s["iters_mean"] >= 1 for s in out["layers"].values())
+    in_solves = round(sum(s["iters_mean"] * 4 for s in out["layers"].values()))     # 4 batches
+    assert reads.total == in_solves + 2, (reads.by_method, in_solves)
