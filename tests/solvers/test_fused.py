@@ -283,3 +283,36 @@ def test_fused_where_it_cannot_run_is_an_error_and_auto_on_cpu_is_the_pytorch_lo
     with torch.no_grad(), count_aten_ops() as ops:
         iterate(f, z0, SolverConfig(tol=1e-4), quantile=0.0)
     assert not any(op.startswith("triton.") for op in ops.by_op), ops.by_op
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the real kernels (the interpreter replaces them)")
+def test_the_kernels_compile_for_an_a100(tmp_path, monkeypatch):
+    """The interpreter runs the kernels' Python, not Triton's compiler: every kernel, as launched (each
+    specialisation the loop uses, float32 and float64 state, a bf16 f(z)), compiles to a cubin for
+    sm_80 with Triton's own ptxas, no GPU needed (sm_90 compiles too: checked once, 9 s more)."""
+    arch = 80
+    triton_or_skip()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptr = {"z": "*{s}", "f": "*bf16", "part": "*{s}", "frozen": "*i8", "tres": "*{s}", "real": "*i8", "best": "*{s}",
+           "consts": "*{s}", "res": "*{s}", "sres": "*{s}", "flags": "*i64", "patience": "*i64", "eta": "*{s}",
+           "eta_out": "*{s}", "alive": "*i32", "first_bad": "*i64", "decision": "*i64", "counts": "*i64", "out": "*{s}"}
+    launches = [(fused._norms, {"L2": False, "BLOCK_R": 16, "BLOCK_D": 256}),
+                (fused._norms, {"L2": True, "BLOCK_R": 16, "BLOCK_D": 256}),
+                (fused._flags, {"L2": False, "HAS_REAL": True, "BLOCK_T": 1024}),
+                (fused._decide, {"PATIENCE": True, "AGREE": False, "BLOCK_B": 8}),
+                (fused._decide, {"PATIENCE": False, "AGREE": True, "BLOCK_B": 8}),
+                (fused._agreed, {"BLOCK_B": 8}),
+                (fused._update, {"FREEZE": True, "BLOCK_R": 16, "BLOCK_D": 256})]
+    for state in ("fp32", "fp64"):
+        for kernel, constexprs in launches:
+            signature = {name: ("constexpr" if name in constexprs else
+                                ptr[name[:-4]].format(s=state) if name.endswith("_ptr") else "i32")
+                         for name in kernel.arg_names}
+            src = ASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+            options = {"enable_fp_fusion": False} if kernel is fused._update else {}
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            assert compiled.asm["cubin"], (kernel.__name__, state)
