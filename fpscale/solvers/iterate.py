@@ -293,8 +293,8 @@ def check_step_output(fz, z: torch.Tensor) -> None:
 def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
     """Whether this solve's bookkeeping runs as fpscale.solvers.fused's kernels (``solver.bookkeeping``):
     never with Anderson mixing, with autograd through the loop (the unroll backward's training
-    solve) or for an empty state; else ``auto``: on CUDA where Triton imports, ``fused``: always (an error where the kernels
-    cannot run), ``torch``: never."""
+    solve) or for an empty state; else ``auto``: on CUDA where Triton imports, ``fused``: always
+    (an error where the kernels cannot run), ``torch``: never."""
     if cfg.bookkeeping == "torch" or cfg.anderson or torch.is_grad_enabled() or z.numel() == 0:
         return False
     if cfg.bookkeeping == "auto" and not z.is_cuda:
