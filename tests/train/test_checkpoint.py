@@ -76,7 +76,9 @@ def straight(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", ["zero1", "zero3", "tp2"])
+# DP2 ZeRO-1 and TP2 x DP2 resume on their own layout again and again, bit for bit, in the chaos test
+# (tests/train/test_chaos.py); ZeRO-3, which it does not run, resumes here
+@pytest.mark.parametrize("layout", ["zero3"])
 def test_resume_on_the_same_layout_continues_exactly(tmp_path, straight, layout):
     ref = straight(layout)
     copy_checkpoint(ref, 4, tmp_path / "resumed")
