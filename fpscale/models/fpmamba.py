@@ -19,7 +19,8 @@ docs/layers.md, "FP-Mamba: paper, authors' code, fpscale"):
     gate           inside: G inside the norm, in the loop | outside: y* = norm(C^T h + D x~) and
                    the layer returns W_out (SiLU(x W_g + W_zy y*_{t-1}) * y*) (their
                    ``glu_in_loop`` False, lines 108-109 and 205-207)
-    out_norm       rmsnorm | layernorm (centred, with a bias: their ``out_norm``, line 186)
+    out_norm       rmsnorm | layernorm (centred, with a bias: their ``out_norm``, line 186) | none
+                   (plain Mamba-1: y = G * (C^T h + D x~), mamba_ssm's ``Mamba``)
     bc_norm        B, C L2-normalised or not (their ``bc_norm``, lines 253-255)
     y_into_delta   whether y_{t-1} reaches Delta (theirs: B and C only, lines 233-239; Delta from
                    x alone, line 320)
@@ -117,7 +118,7 @@ class FPMambaSpec(FixedPointSpec):
                       term; authors: always) | false: the proven-contraction ranges (fpscale)
       u_activation    silu (authors, App. C.3) | none (fpscale): SiLU on the mixer's u_i before
                       normalising
-      out_norm        layernorm (authors) | rmsnorm (fpscale; FP-Mamba2's choice)
+      out_norm        layernorm (authors) | rmsnorm (fpscale; FP-Mamba2's choice) | none (Mamba-1)
       bc_norm         B, C L2-normalised: true (fpscale; authors' state tracking) | false
                       (authors' FineWeb model)
       input_path      conv_silu (fpscale; authors' FineWeb) | linear (authors' state tracking)
@@ -141,7 +142,7 @@ class FPMambaSpec(FixedPointSpec):
     preset: Literal["none", "authors_lm", "authors_state_tracking"] = "none"
     negative_eigs: bool | None = None
     u_activation: Literal["none", "silu"] | None = None
-    out_norm: Literal["rmsnorm", "layernorm"] | None = None
+    out_norm: Literal["rmsnorm", "layernorm", "none"] | None = None
     bc_norm: bool | None = None
     input_path: Literal["conv_silu", "linear"] | None = None
     gate: Literal["inside", "outside"] | None = None
@@ -263,7 +264,7 @@ class FPMambaMixer(FixedPointLayer):
         self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))
         self.A_log._no_weight_decay = True       # as mamba_ssm: the decay rates are not shrunk towards 0
         self.D = torch.nn.Parameter(torch.ones(di))
-        self.out_norm_w = torch.nn.Parameter(torch.ones(di))
+        self.out_norm_w = torch.nn.Parameter(torch.ones(di)) if spec.out_norm != "none" else None
         self.out_norm_b = torch.nn.Parameter(torch.zeros(di)) if spec.out_norm == "layernorm" else None
         self.w_out = torch.nn.Parameter(torch.empty(d_model, di))
         for w in (self.w_in, self.x_proj):
@@ -327,8 +328,11 @@ class FPMambaMixer(FixedPointLayer):
 
     def _norm(self, t: torch.Tensor) -> torch.Tensor:
         """The output norm over all d_inner channels (summed over the shards under TP), in at least
-        float32: RMSNorm (fpscale) or LayerNorm (``out_norm: layernorm``: centred, with a bias)."""
+        float32: RMSNorm (fpscale) or LayerNorm (``out_norm: layernorm``: centred, with a bias), or
+        none (``out_norm: none``, Mamba-1)."""
         t = wide(t)
+        if self.out_norm == "none":
+            return t
         if self.out_norm == "layernorm":
             t = t - self.shards.total(t.sum(-1, keepdim=True)) / self.d_inner
         ms = self.shards.total(t.pow(2).sum(-1, keepdim=True)) / self.d_inner

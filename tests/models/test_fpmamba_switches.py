@@ -116,8 +116,8 @@ def reference(m, sw, x, y):
             if sw["out_norm"] == "layernorm":
                 c = out - out.mean()
                 out = c / torch.sqrt(c.pow(2).mean() + EPS) * P["out_norm_w"] + P["out_norm_b"]
-            else:
-                out = out / torch.sqrt(out.pow(2).mean() + EPS) * P["out_norm_w"]
+            elif sw["out_norm"] == "rmsnorm":
+                out = out / torch.sqrt(out.pow(2).mean() + EPS) * P.get("out_norm_w", 1.0)
             y_new[b, t] = out
     if sw["gate"] == "inside":
         return y_new, y_new
@@ -139,12 +139,13 @@ def inputs(seed=5):
             torch.randn(B, T, 2 * D, generator=g, dtype=torch.float64))
 
 
-SWITCHES = [("negative_eigs", True), ("u_activation", "silu"), ("out_norm", "layernorm"), ("bc_norm", False),
+SWITCHES = [("negative_eigs", True), ("u_activation", "silu"), ("out_norm", "layernorm"), ("out_norm", "none"),
+            ("bc_norm", False),
             ("input_path", "linear"), ("gate", "outside"), ("y_into_delta", False), ("kronecker_norm", "rows"),
             ("weight_norm", True)]
 
 
-@pytest.mark.parametrize("key,value", SWITCHES, ids=[k for k, _ in SWITCHES])
+@pytest.mark.parametrize("key,value", SWITCHES, ids=[f"{k}={v}" for k, v in SWITCHES])
 def test_each_switch_matches_its_reference_and_changes_what_it_names(key, value):
     extra = {"mixer": "kronecker"} if key == "kronecker_norm" else {}
     if key == "weight_norm":
@@ -186,7 +187,7 @@ def test_a_key_given_beside_a_preset_wins_and_errors_name_the_key():
     import fpscale
     with pytest.raises(fpscale.ConfigError, match=r"layer.weight_norm': needs feedback_init: linear"):
         layer_spec("fpmamba", weight_norm=True)
-    with pytest.raises(fpscale.ConfigError, match=r"layer.out_norm': expected 'rmsnorm' \| 'layernorm' or NoneType, got 'batchnorm'"):
+    with pytest.raises(fpscale.ConfigError, match=r"layer.out_norm': expected 'rmsnorm' \| 'layernorm' \| 'none' or NoneType, got 'batchnorm'"):
         layer_spec("fpmamba", out_norm="batchnorm")
 
 
