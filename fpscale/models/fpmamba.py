@@ -365,7 +365,7 @@ class FPMambaMixer(FixedPointLayer):
         if self.y_proj is not None:
             fed = linear(y_s, static["weights"]["y_proj"])
             if not self.y_into_delta:        # y reaches B and C only
-                fed = torch.cat([torch.zeros_like(fed[..., :self.dt_rank]), fed], -1)
+                fed = torch.cat([fed.new_zeros(*fed.shape[:-1], self.dt_rank), fed], -1)
             proj = proj + fed
         proj = wide(self.shards.total(proj))     # x_proj, y_proj are row-parallel under TP
         dt_low, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)

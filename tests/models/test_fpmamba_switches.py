@@ -25,10 +25,10 @@ N = 3
 EPS = 1e-6
 
 
-def build(randomize=True, seed=0, **switches):
+def build(randomize=True, seed=0, d=D, n=N, **switches):
     torch.manual_seed(seed)
-    spec = layer_spec("fpmamba", d_state=N, **switches)
-    m = FPMambaMixer(D, spec, SolverConfig(), 0.2, 0.2, EPS).double()
+    spec = layer_spec("fpmamba", d_state=n, **switches)
+    m = FPMambaMixer(d, spec, SolverConfig(), 0.2, 0.2, EPS).double()
     if randomize:      # every element active: a non-zero y feedback, norm bias, gains off ||v||
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -46,7 +46,8 @@ def sw_of(spec):
 def reference(m, sw, x, y):
     """(y_new = f(y), the layer's output before W_out) for input x [B, T, D], float64."""
     P = {n: p.detach() for n, p in m.named_parameters()}
-    di, R = m.d_inner, sw["rank"]
+    di, R, N = m.d_inner, sw["rank"], m.d_state
+    B, T = x.shape[:2]
     if sw["weight_norm"]:        # W = g v / ||v|| on the authors' Linear of [x; y]
         for gain, names in m.wn_groups.items():
             whole = torch.cat([P[n] for n in names if n in P], 1)
@@ -101,7 +102,7 @@ def reference(m, sw, x, y):
             fed = P["y_proj"] @ ys
             if sw["y_into_delta"]:
                 if fed.shape[0] == 2 * N:     # (a module built without y in Delta: a stand-in row)
-                    fed = torch.cat([0.5 * ys[:m.dt_rank].sum().view(1), fed])
+                    fed = torch.cat([0.5 * ys[:m.dt_rank], fed])
                 proj = proj + fed
             else:
                 proj = proj + torch.cat([torch.zeros(m.dt_rank, dtype=torch.float64), fed])
@@ -133,10 +134,10 @@ def module_apply(m, x, y):
     return y_new, out
 
 
-def inputs(seed=5):
+def inputs(seed=5, d=D):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, T, D, generator=g, dtype=torch.float64),
-            torch.randn(B, T, 2 * D, generator=g, dtype=torch.float64))
+    return (torch.randn(B, T, d, generator=g, dtype=torch.float64),
+            torch.randn(B, T, 2 * d, generator=g, dtype=torch.float64))
 
 
 SWITCHES = [("negative_eigs", True), ("u_activation", "silu"), ("out_norm", "layernorm"), ("out_norm", "none"),
@@ -145,13 +146,14 @@ SWITCHES = [("negative_eigs", True), ("u_activation", "silu"), ("out_norm", "lay
             ("weight_norm", True)]
 
 
-@pytest.mark.parametrize("key,value", SWITCHES, ids=[f"{k}={v}" for k, v in SWITCHES])
-def test_each_switch_matches_its_reference_and_changes_what_it_names(key, value):
+@pytest.mark.parametrize("key,value,d,n", [(k, v, D, N) for k, v in SWITCHES] + [("y_into_delta", False, 40, 1)],
+                         ids=[f"{k}={v}" for k, v in SWITCHES] + ["y_into_delta=False-dt_rank3>2N"])
+def test_each_switch_matches_its_reference_and_changes_what_it_names(key, value, d, n):
     extra = {"mixer": "kronecker"} if key == "kronecker_norm" else {}
     if key == "weight_norm":
         extra["feedback_init"] = "linear"
-    spec, m = build(**extra, **{key: value})
-    x, y = inputs()
+    spec, m = build(d=d, n=n, **extra, **{key: value})
+    x, y = inputs(d=d)
     with torch.no_grad():
         got = module_apply(m, x, y)
         want = reference(m, sw_of(spec), x, y)
