@@ -224,6 +224,26 @@ def weight_norm_groups(mixer: str, y_proj: bool, z_y_proj: bool) -> dict[str, tu
     return groups
 
 
+def weight_normed(layer, weights: dict, groups: dict[str, tuple[str, ...]]) -> dict:
+    """``weights`` with each group's members replaced by g v / ||v|| (g: the layer's parameter named
+    by the group's key; ||v|| per output row over all members). A group split by columns under TP
+    (``layer.tp_plan()``) sums its partial row norms over ``layer.shards`` (``FPMambaMixer.weights``)."""
+    out = dict(weights)
+    plan = layer.tp_plan() if groups else {}
+    for gain, names in groups.items():
+        present = [n for n in names if out.get(n) is not None]
+        sq = sum(wide(out[n]).pow(2).sum(1) for n in present)
+        by_columns = present[0] in plan and plan[present[0]].dim == 1
+        if by_columns:
+            sq = layer.shards.exit(sq)
+        scale = wide(getattr(layer, gain)) * torch.rsqrt(sq.clamp_min(1e-24))
+        if by_columns:
+            scale = layer.shards.enter(scale)
+        for n in present:
+            out[n] = (scale[:, None] * wide(out[n])).to(out[n].dtype)
+    return out
+
+
 class FPMambaMixer(FixedPointLayer):
     def __init__(self, d_model: int, spec, solver, init_std: float, out_std: float, norm_eps: float = 1e-6):
         super().__init__(solver)
@@ -312,19 +332,7 @@ class FPMambaMixer(FixedPointLayer):
         shard, summed), so g and every v get the whole model's gradient."""
         out = dict(self.mixer_params())
         out.update(y_proj=self.y_proj, z_y_proj=self.z_y_proj)
-        plan = self.tp_plan() if self.wn_groups else {}
-        for gain, names in self.wn_groups.items():
-            present = [n for n in names if out.get(n) is not None]
-            sq = sum(wide(out[n]).pow(2).sum(1) for n in present)
-            by_columns = present[0] in plan and plan[present[0]].dim == 1
-            if by_columns:
-                sq = self.shards.exit(sq)
-            scale = wide(getattr(self, gain)) * torch.rsqrt(sq.clamp_min(1e-24))
-            if by_columns:
-                scale = self.shards.enter(scale)
-            for n in present:
-                out[n] = (scale[:, None] * wide(out[n])).to(out[n].dtype)
-        return out
+        return weight_normed(self, out, self.wn_groups)
 
     def _norm(self, t: torch.Tensor) -> torch.Tensor:
         """The output norm over all d_inner channels (summed over the shards under TP), in at least
@@ -433,10 +441,12 @@ class FPMambaBlock(torch.nn.Module):
     """x + mixer(norm(x)); with ``mlp``, then x + MLP(norm(x)) (the MLP runs once, after the solve:
     what ``checkpoint: mlp`` or ``block`` recomputes in backward; the solve never runs again)."""
 
+    mixer_class = FPMambaMixer           # fpscale.models.fpmamba2 builds its own mixer in the same block
+
     def __init__(self, cfg, spec, solver):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = FPMambaMixer(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
+        self.mixer = self.mixer_class(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if spec.mlp else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
