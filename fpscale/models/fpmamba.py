@@ -198,7 +198,7 @@ class FPMambaSpec(FixedPointSpec):
         d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state
         dt_rank = -(-d // 16)
         # the projections of u (mixer, x_proj) once per solve; those of y, dt_proj and the scan per iteration
-        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
+        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback, self.kronecker_norm)
         proj = 2 * di * (dt_rank + 2 * N)
         y_proj = 2 * di * ((dt_rank if self.y_into_delta else 0) + 2 * N)
         per_iter = mix_iter + (y_proj if self.y_feedback else 0.0) + 2 * dt_rank * di + scan_flops(di, N)

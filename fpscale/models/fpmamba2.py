@@ -121,7 +121,7 @@ class FPMamba2Spec(FixedPointSpec):
         recurrence the fused kernels run, ``scan_flops``)."""
         d, di, N, G = cfg.d_model, self.expand * cfg.d_model, self.d_state, self.ngroups
         heads = di // self.headdim
-        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback)
+        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback, self.kronecker_norm)
         proj_in = 2 * d * (2 * di + 2 * G * N + heads)
         conv = 2 * (di + 2 * G * N) * self.d_conv if self.input_path == "conv_silu" else 0.0
         gate_y = 2 * di * di if self.gate == "both" and self.y_feedback else 0.0
@@ -239,8 +239,9 @@ class FPMamba2Mixer(FixedPointLayer):
             x_t = apply_mixer(self.mixer, static["mix_params"], wide(u) - y, u, y_s if self.y_feedback else None,
                               self.negative_eigs, self.shards, static["mixer"], self.u_activation,
                               self.kronecker_norm) + y
-        if self.y_proj is not None:
-            bc = bc + wide(self.shards.total(linear(y_s, static["weights"]["y_proj"])))
+        if self.y_proj is not None:      # partial sums over the shards' channels; B and C's use under TP
+            # (``_heads_bc``: each shard scatters its heads) already brings every shard the whole gradient
+            bc = bc + wide(self.shards.exit(linear(y_s, static["weights"]["y_proj"])))
         Bm, Cm = self._heads_bc(bc)
         if real is not None:
             x_t = x_t.masked_fill(~real[..., None], 0.0)

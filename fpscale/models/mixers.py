@@ -54,17 +54,20 @@ def kronecker_factors(n: int) -> tuple[int, int]:
     return d1, n // d1
 
 
-def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> tuple[float, float]:
+def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool,
+                kronecker_norm: str = "eigenvalue") -> tuple[float, float]:
     """Forward FLOPs per token of the mixer: (once per solve, per application). The projections of
-    x are computed once (``mixer_static``); those of y and Q v in every application."""
+    x are computed once (``mixer_static``); those of y and Q v in every application. A Kronecker
+    factor costs M M^T and, normalised by its eigenvalue bound, 4 squarings (rows: none)."""
     di = d_inner
     if kind in ("householder", "dplr"):            # u_i and a_i projections of x (and y)
         feed = 2 * rank * di * (di + 1)
         return feed, feed if y_feedback else 0.0
-    if kind == "kronecker":     # K1, K2 and a projections, M M^T and 4 squarings of each, K1 V K2^T
+    if kind == "kronecker":     # K1, K2 and a projections, M M^T (and 4 squarings) of each, K1 V K2^T
         d1, d2 = kronecker_factors(di)
         feed = 2 * di * (d1 * d1 + d2 * d2 + 1)
-        return feed, (feed if y_feedback else 0.0) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
+        products = 5 if kronecker_norm == "eigenvalue" else 1
+        return feed, (feed if y_feedback else 0.0) + products * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
     return 0.0, 0.0
 
 

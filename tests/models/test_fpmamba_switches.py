@@ -43,18 +43,53 @@ def sw_of(spec):
     return {k: getattr(spec, k) for k in DEFAULTS} | {"mixer": spec.mixer, "rank": spec.mixer_rank}
 
 
-def reference(m, sw, x, y):
-    """(y_new = f(y), the layer's output before W_out) for input x [B, T, D], float64."""
+def reference_params(m, weight_norm):
+    """The module's parameters (float64), with weight norm W = g v / ||v|| written as the authors'
+    one Linear of [x; y] per group."""
     P = {n: p.detach() for n, p in m.named_parameters()}
-    di, R, N = m.d_inner, sw["rank"], m.d_state
-    B, T = x.shape[:2]
-    if sw["weight_norm"]:        # W = g v / ||v|| on the authors' Linear of [x; y]
+    if weight_norm:
         for gain, names in m.wn_groups.items():
             whole = torch.cat([P[n] for n in names if n in P], 1)
             whole = P[gain][:, None] * whole / whole.norm(dim=1, keepdim=True)
             cols = [P[n].shape[1] for n in names if n in P]
             for n, part in zip([n for n in names if n in P], whole.split(cols, 1)):
                 P[n] = part
+    return P
+
+
+def dense_q(P, sw, xt, ys, di):
+    """Q_t as a dense [di, di] matrix for one token (x_t, y_{t-1})."""
+    R = sw["rank"]
+    act = F.silu if sw["u_activation"] == "silu" else (lambda t: t)
+    doubled = sw["negative_eigs"]
+    eye = torch.eye(di, dtype=torch.float64)
+    if sw["mixer"] == "none":
+        return eye
+    if sw["mixer"] in ("householder", "dplr"):
+        U = act((P["mix_u_x"] @ xt + P["mix_u_y"] @ ys).view(R, di))
+        U = U / U.norm(dim=1, keepdim=True)
+        a = torch.sigmoid(P["mix_a_x"] @ xt + P["mix_a_y"] @ ys + P["mix_a_b"])
+        a = a * (2.0 if doubled else 1.0 / R)
+        Q = eye
+        for i in range(R):
+            H = a[i] * torch.outer(U[i], U[i])
+            Q = (eye - H) @ Q if sw["mixer"] == "householder" else Q - H
+        return Q
+    d1, d2 = kronecker_factors(di)
+    Ks = []
+    for name, d_ in (("k1", d1), ("k2", d2)):
+        M = act(P[f"mix_{name}_x"] @ xt + P[f"mix_{name}_y"] @ ys).view(d_, d_)
+        K = M @ M.T
+        Ks.append(K / K.norm(dim=1, keepdim=True) if sw["kronecker_norm"] == "rows" else _normalized_psd(K))
+    a = torch.sigmoid(P["mix_a_x"] @ xt + P["mix_a_y"] @ ys + P["mix_a_b"]) * (2.0 if doubled else 1.0)
+    return eye - a * torch.kron(Ks[0], Ks[1])
+
+
+def reference(m, sw, x, y):
+    """(y_new = f(y), the layer's output before W_out) for input x [B, T, D], float64."""
+    P = reference_params(m, sw["weight_norm"])
+    di, N = m.d_inner, m.d_state
+    B, T = x.shape[:2]
     xc, g = (x @ P["w_in"].T).chunk(2, -1)
     if sw["input_path"] == "conv_silu":
         if "conv_w" not in P:    # (the reference of a module built without a conv: an identity conv)
@@ -70,33 +105,13 @@ def reference(m, sw, x, y):
     else:
         u = xc
     y_s = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], 1)
-    act = F.silu if sw["u_activation"] == "silu" else (lambda t: t)
-    doubled = sw["negative_eigs"]
     y_new = torch.zeros_like(y)
     A = -P["A_log"].exp()
     for b in range(B):
         h = torch.zeros(di, N, dtype=torch.float64)
         for t in range(T):
             xt, yt, ys = u[b, t], y[b, t], y_s[b, t]
-            if sw["mixer"] in ("householder", "dplr"):
-                U = act((P["mix_u_x"] @ xt + P["mix_u_y"] @ ys).view(R, di))
-                U = U / U.norm(dim=1, keepdim=True)
-                a = torch.sigmoid(P["mix_a_x"] @ xt + P["mix_a_y"] @ ys + P["mix_a_b"])
-                a = a * (2.0 if doubled else 1.0 / R)
-                Q = torch.eye(di, dtype=torch.float64)
-                for i in range(R):
-                    H = a[i] * torch.outer(U[i], U[i])
-                    Q = (torch.eye(di, dtype=torch.float64) - H) @ Q if sw["mixer"] == "householder" else Q - H
-            else:
-                d1, d2 = kronecker_factors(di)
-                Ks = []
-                for name, d_ in (("k1", d1), ("k2", d2)):
-                    M = act(P[f"mix_{name}_x"] @ xt + P[f"mix_{name}_y"] @ ys).view(d_, d_)
-                    K = M @ M.T
-                    K = K / K.norm(dim=1, keepdim=True) if sw["kronecker_norm"] == "rows" else _normalized_psd(K)
-                    Ks.append(K)
-                a = torch.sigmoid(P["mix_a_x"] @ xt + P["mix_a_y"] @ ys + P["mix_a_b"]) * (2.0 if doubled else 1.0)
-                Q = torch.eye(di, dtype=torch.float64) - a * torch.kron(Ks[0], Ks[1])
+            Q = dense_q(P, sw, xt, ys, di)
             x_tilde = Q @ (xt - yt) + yt
             proj = P["x_proj"] @ xt
             fed = P["y_proj"] @ ys
