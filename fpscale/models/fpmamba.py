@@ -198,7 +198,8 @@ class FPMambaSpec(FixedPointSpec):
         d, di, N = cfg.d_model, self.expand * cfg.d_model, self.d_state
         dt_rank = -(-d // 16)
         # the projections of u (mixer, x_proj) once per solve; those of y, dt_proj and the scan per iteration
-        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback, self.kronecker_norm)
+        mix_static, mix_iter = mixer_flops(self.mixer, self.mixer_rank, di, self.y_feedback,
+                                           self.kronecker_norm)
         proj = 2 * di * (dt_rank + 2 * N)
         y_proj = 2 * di * ((dt_rank if self.y_into_delta else 0) + 2 * N)
         per_iter = mix_iter + (y_proj if self.y_feedback else 0.0) + 2 * dt_rank * di + scan_flops(di, N)
@@ -252,7 +253,8 @@ class FPMambaMixer(FixedPointLayer):
         self.dt_rank = max(1, math.ceil(d_model / 16))
         self.mixer, self.negative_eigs, self.y_feedback = spec.mixer, spec.negative_eigs, spec.y_feedback
         self.u_activation, self.kronecker_norm = spec.u_activation, spec.kronecker_norm
-        self.out_norm, self.bc_norm, self.input_path, self.gate = spec.out_norm, spec.bc_norm, spec.input_path, spec.gate
+        self.out_norm, self.bc_norm = spec.out_norm, spec.bc_norm
+        self.input_path, self.gate = spec.input_path, spec.gate
         self.y_into_delta = spec.y_feedback and spec.y_into_delta
         self.weight_norm = spec.weight_norm
         self.norm_eps = norm_eps

@@ -40,8 +40,18 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.errors import check
-from fpscale.models.common import TPSplit, Unsharded, causal_conv, init_linear, linear, mlp_flops, mlp_tp_divisor
-from fpscale.models.common import real_tokens, swiglu_hidden, wide
+from fpscale.models.common import (
+    TPSplit,
+    Unsharded,
+    causal_conv,
+    init_linear,
+    linear,
+    mlp_flops,
+    mlp_tp_divisor,
+    real_tokens,
+    swiglu_hidden,
+    wide,
+)
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.fpmamba import FPMambaBlock, scan_flops, shift_in, weight_norm_groups, weight_normed
 from fpscale.models.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static

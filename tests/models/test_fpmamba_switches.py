@@ -204,7 +204,9 @@ def test_a_key_given_beside_a_preset_wins_and_errors_name_the_key():
     import fpscale
     with pytest.raises(fpscale.ConfigError, match=r"layer.weight_norm': needs feedback_init: linear"):
         layer_spec("fpmamba", weight_norm=True)
-    with pytest.raises(fpscale.ConfigError, match=r"layer.out_norm': expected 'rmsnorm' \| 'layernorm' \| 'none' or NoneType, got 'batchnorm'"):
+    with pytest.raises(fpscale.ConfigError,
+                       match=r"layer.out_norm': expected 'rmsnorm' \| 'layernorm' \| 'none' or NoneType, "
+                             r"got 'batchnorm'"):
         layer_spec("fpmamba", out_norm="batchnorm")
 
 
