@@ -323,3 +323,24 @@ def test_preset_blocks_decode_with_caches_as_they_recompute(preset):
     assert layer.last_stats.stopped_by == "converged"
     assert torch.equal(cached, full)
     assert torch.allclose(cached_logits, full_logits, rtol=0, atol=1e-7)
+
+
+def test_the_adjoint_solve_tests_its_current_residual(monkeypatch):
+    """stop_residual: best is the forward's rule; the implicit backward's adjoint solve keeps the
+    current residual (fpscale/solvers/backward.py)."""
+    import fpscale.solvers.backward as backward
+    from fpscale.solvers import solve
+    seen = []
+    real_iterate = backward.iterate
+
+    def spy(step, z0, cfg, **kw):
+        seen.append(cfg.stop_residual)
+        return real_iterate(step, z0, cfg, **kw)
+
+    monkeypatch.setattr(backward, "iterate", spy)
+    W = torch.randn(4, 4, dtype=torch.float64) * 0.2
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    cfg = SolverConfig(tol=1e-8, max_iter=100, stop_residual="best", backward="implicit", backward_tol=1e-10)
+    z, stats = solve(lambda z: torch.tanh(z @ W + x), torch.zeros_like(x), cfg, training=True)
+    z.sum().backward()
+    assert seen == ["current"] and stats.stopped_by == "converged"
