@@ -9,6 +9,7 @@ d_state 8, training cap 16, evaluation cap 64), then also evaluated beyond the t
 deeper evaluation cap (256), as the seed evaluates with far more iterations than it trains with.
 
     PYTHONPATH=. python experiments/state_tracking_authors.py [--groups s3] [--mixers householder,kronecker]
+    PYTHONPATH=. python experiments/state_tracking_authors.py --ablate   # + the preset with one choice undone each
     PYTHONPATH=. python experiments/state_tracking_authors.py --quick       # seconds: pipeline check
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
-from experiments.state_tracking import D, FP_SOLVER, LENGTHS, TRAIN_LEN  # noqa: E402
+from experiments.state_tracking import FP_SOLVER, LENGTHS, TRAIN_LEN, D  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask, group_elements  # noqa: E402
 from fpscale.models.fpmamba import AUTHORS_SOLVER  # noqa: E402
 
@@ -41,6 +42,21 @@ def models(mixer: str) -> dict[str, tuple[list[dict], dict]]:
                                                     FP_SOLVER),
         f"FP-Mamba2 {tag}": ([{"type": "fpmamba2", "headdim": 16, "solver": dict(AUTHORS_SOLVER), **mix}], FP_SOLVER),
     }
+
+
+def ablations(mixer: str) -> dict[str, tuple[list[dict], dict]]:
+    """``--ablate``: the authors_state_tracking block with one of its choices set back to fpscale's."""
+    mix = {"mixer": mixer, "mixer_rank": 4 if mixer == "householder" else 1, "d_state": 8}
+    base = {"type": "fpmamba", "preset": "authors_state_tracking", **mix}
+    changes = {"gate inside": {"gate": "inside"}, "rmsnorm": {"out_norm": "rmsnorm"},
+               "conv + SiLU input": {"input_path": "conv_silu"}, "y into Delta": {"y_into_delta": True},
+               "proven range": {"negative_eigs": False},
+               "fpscale's solver": {"solver": {"damping": 1.0, "stop_residual": "current",
+                                               **{k: v for k, v in FP_SOLVER.items()
+                                                  if k not in ("max_iter", "eval_max_iter")}}}}
+    tag = "Householder r4" if mixer == "householder" else "Kronecker"
+    return {f"FP-Mamba {tag}, authors_state_tracking with {what}": ([{**base, **change}], FP_SOLVER)
+            for what, change in changes.items()}
 
 
 def run_one(group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep_lengths, keep):
@@ -76,7 +92,10 @@ def run_one(group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep
 def main():
     args = parse_args(__doc__, lambda p: (p.add_argument("--groups", default="s3", help="of s3, a4, a5"),
                                           p.add_argument("--mixers", default="householder",
-                                                         help="of householder, kronecker")))
+                                                         help="of householder, kronecker"),
+                                          p.add_argument("--ablate", action="store_true",
+                                                         help="also the preset with each choice set back to "
+                                                              "fpscale's")))
     if args.quick:
         groups, mixers, steps, n_eval, lengths, deep, batch = ["s3"], ["householder"], 2, 8, [2, 16], [16], 8
     else:
@@ -89,7 +108,8 @@ def main():
     with Timer() as total:
         for g in groups:
             for mixer in mixers:
-                for name, (layers, solver) in models(mixer).items():
+                runs = {**models(mixer), **(ablations(mixer) if args.ablate and not args.quick else {})}
+                for name, (layers, solver) in runs.items():
                     results["main"][f"{g}|{name}"] = run_one(g, name, layers, solver, steps, batch, lr, n_eval,
                                                              lengths, deep, keep)
     show = [n for n in lengths if n in (2, 4, 8, 16, 32, 64)] or lengths
