@@ -59,9 +59,9 @@ def ablations(mixer: str) -> dict[str, tuple[list[dict], dict]]:
             for what, change in changes.items()}
 
 
-def run_one(group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep_lengths, keep):
+def run_one(group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep_lengths, keep, seed=0):
     setting = json.dumps([group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep_lengths, DEEP_CAP, D,
-                          TRAIN_LEN])
+                          TRAIN_LEN] + ([seed] if seed else []))
     path = os.path.join(keep, "authors_" + hashlib.sha1(setting.encode()).hexdigest()[:12] + ".json") if keep else None
     if path and os.path.exists(path):
         print(f"reusing {path} ({group} {name}; --fresh to retrain)", flush=True)
@@ -71,7 +71,7 @@ def run_one(group, name, layers, solver, steps, batch, lr, n_eval, lengths, deep
             out[k] = {int(n): v for n, v in out[k].items()}
         return out
     vocab = len(group_elements(group))
-    model, _ = small_model(vocab, D, layers, solver, max_seq_len=max(lengths))
+    model, _ = small_model(vocab, D, layers, solver, max_seq_len=max(lengths), seed=seed)
     task = SyntheticTask(group, vocab, TRAIN_LEN, seed=1)
     with Timer() as t:
         curve = train_aligned(model, task, steps, batch, lr, warmup=min(50, steps // 4 + 1),
@@ -93,6 +93,8 @@ def main():
     args = parse_args(__doc__, lambda p: (p.add_argument("--groups", default="s3", help="of s3, a4, a5"),
                                           p.add_argument("--mixers", default="householder",
                                                          help="of householder, kronecker"),
+                                          p.add_argument("--seed", type=int, default=0,
+                                                         help="the models' initialisation seed"),
                                           p.add_argument("--ablate", action="store_true",
                                                          help="also the preset with each choice set back to "
                                                               "fpscale's")))
@@ -103,15 +105,16 @@ def main():
                                                                 128, LENGTHS, DEEP_LENGTHS, 32)
     lr = 3e-3
     keep = None if (args.quick or args.fresh) else os.path.join(args.out, "runs")
-    results: dict = {"settings": {"d_model": D, "train_len": TRAIN_LEN, "steps": steps, "batch": batch, "lr": lr,
-                                  "solver": FP_SOLVER, "deep_cap": DEEP_CAP, "lengths": lengths}, "main": {}}
+    results: dict = {"settings": {"seed": args.seed, "d_model": D, "train_len": TRAIN_LEN, "steps": steps,
+                                  "batch": batch, "lr": lr, "solver": FP_SOLVER, "deep_cap": DEEP_CAP,
+                                  "lengths": lengths}, "main": {}}
     with Timer() as total:
         for g in groups:
             for mixer in mixers:
                 runs = {**models(mixer), **(ablations(mixer) if args.ablate and not args.quick else {})}
                 for name, (layers, solver) in runs.items():
                     results["main"][f"{g}|{name}"] = run_one(g, name, layers, solver, steps, batch, lr, n_eval,
-                                                             lengths, deep, keep)
+                                                             lengths, deep, keep, args.seed)
     show = [n for n in lengths if n in (2, 4, 8, 16, 32, 64)] or lengths
     rows, it_rows = [], []
     for key, r in results["main"].items():
