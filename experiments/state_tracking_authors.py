@@ -93,6 +93,8 @@ def main():
     args = parse_args(__doc__, lambda p: (p.add_argument("--groups", default="s3", help="of s3, a4, a5"),
                                           p.add_argument("--mixers", default="householder",
                                                          help="of householder, kronecker"),
+                                          p.add_argument("--only", default="",
+                                                         help="comma-separated parts of model names to run"),
                                           p.add_argument("--seed", type=int, default=0,
                                                          help="the models' initialisation seed"),
                                           p.add_argument("--ablate", action="store_true",
@@ -112,7 +114,10 @@ def main():
         for g in groups:
             for mixer in mixers:
                 runs = {**models(mixer), **(ablations(mixer) if args.ablate and not args.quick else {})}
+                only = [o for o in args.only.split(",") if o]
                 for name, (layers, solver) in runs.items():
+                    if only and not any(o in name for o in only):
+                        continue
                     results["main"][f"{g}|{name}"] = run_one(g, name, layers, solver, steps, batch, lr, n_eval,
                                                              lengths, deep, keep, args.seed)
     show = [n for n in lengths if n in (2, 4, 8, 16, 32, 64)] or lengths
