@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from fpscale.models.common import wide
 from fpscale.models.kernels import ran as record_kernel
+from fpscale.models.scan_kernels import scan
+from fpscale.models.scan_triton import INTERPRET
 
 DEFAULT_CHUNK = 64
 
@@ -90,7 +92,6 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 def via_selective_scan(x, dt, A, B, C, h0=None):
     """The SSD as fpscale.models.scan_kernels.scan (the Mamba-1 selective scan) per group: the
     group's heads' channels with dt and A repeated over each head's P channels, A over the N states."""
-    from fpscale.models.scan_kernels import scan
     Bsz, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     Hg = H // G
@@ -110,7 +111,6 @@ def via_selective_scan(x, dt, A, B, C, h0=None):
 def fused_wanted(x: torch.Tensor) -> bool:
     """Whether ``ssd`` takes the fused selective-scan kernels: on CUDA, or on CPU when Triton's
     interpreter runs them (``TRITON_INTERPRET=1`` and ``FPSCALE_TRITON_SCAN=1``)."""
-    from fpscale.models.scan_triton import INTERPRET
     return x.is_cuda or (INTERPRET and os.environ.get("FPSCALE_TRITON_SCAN") == "1")
 
 
