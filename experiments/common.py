@@ -89,7 +89,8 @@ QUICK_LM = ["train.steps=3", "train.eval_interval=3", "train.eval_batches=1", "t
 
 LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spectral_norm", "temperature"],
                 "fpmamba": ["mixer", "mixer_rank", "negative_eigs", "d_state", "expand", "d_conv", "y_feedback"],
-                "looped": ["core_blocks", "a1_init", "a2_init", "conv"]}
+                "looped": ["core_blocks", "a1_init", "a2_init", "conv"],
+                "fpmamba2": None}    # None: every field (a type added after the runs kept so far)
 
 
 def run_key(cfg) -> str:
@@ -100,8 +101,17 @@ def run_key(cfg) -> str:
     from fpscale.config import config_to_dict
     d = config_to_dict(cfg)
     d.pop("name", None)
+    from fpscale.models.fpmamba import DEFAULTS as FPMAMBA_DEFAULTS
     for spec in d["model"]["layers"]:            # only the fields the layer type reads
-        for k in [k for k in spec if k not in LAYER_FIELDS["all"] + LAYER_FIELDS[spec["type"]]]:
+        fields = LAYER_FIELDS.get(spec["type"])
+        if fields is None:
+            continue
+        for k in [k for k in spec if k not in LAYER_FIELDS["all"] + fields]:
+            # fpmamba's preset and switches (issue 28) count only where they differ from fpscale's
+            # defaults: the runs kept before them keep their keys
+            if spec["type"] == "fpmamba" and ((k == "preset" and spec[k] != "none") or
+                                              (k in FPMAMBA_DEFAULTS and spec[k] != FPMAMBA_DEFAULTS[k])):
+                continue
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)

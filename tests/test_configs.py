@@ -21,7 +21,9 @@ def test_shipped_config_builds(path):
         assert n < 5e6
         assert {s.type for s in cfg.model.layers} >= ({"attn", "fpsa", "fpmamba", "looped"}
                                                        if "mixed" in name else set())
-    elif name.startswith("125m"):      # the GPT-3 125M geometry with seed 002's untied output layer
+    elif name == "125m_mamba1.yaml":   # plain Mamba-1 at the 125m geometry: no MLP, tied embeddings
+        assert cfg.model.d_model == 768 and 0.8e8 < n < 0.9e8 and cfg.data.seq_len == 2048
+    elif name.startswith("125m"):      # the GPT-3 125M geometry
         assert cfg.model.d_model == 768 and 1.6e8 < n < 3.0e8 and cfg.data.seq_len == 2048
     else:
         assert 3.0e8 < n < 4.5e8 and cfg.data.seq_len == 2048
@@ -41,6 +43,37 @@ def test_125m_recipes_compare_at_equal_parameters():
     assert counts["mamba"] == pytest.approx(counts["attn"], rel=0.03)
     assert counts["fpmamba"] > counts["mamba"]
     assert budgets == {(4800, 524288, 4e-3)}
+
+
+def test_the_authors_fineweb_recipes_are_their_models():
+    """configs/125m_fpmamba_authors.yaml is seed 002's FineWeb FP-Mamba as dr-faustus/fp-rnn runs it
+    (plainLM/config/fpmamba.yaml through construct.py and mamba_ssm's MambaConfig defaults) and
+    configs/125m_mamba1.yaml its plain Mamba-1 baseline, on the same budget and optimiser."""
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    cfg = fpscale.load_config(os.path.join(root, "125m_fpmamba_authors.yaml"))
+    (spec,) = cfg.model.layers
+    assert (cfg.model.d_model, spec.repeat, spec.d_state, spec.expand, spec.d_conv) == (768, 12, 16, 2, 4)
+    assert cfg.model.tie_embeddings and not spec.mlp                       # MambaConfig: tied, d_intermediate 0
+    assert (spec.type, spec.preset, spec.mixer, spec.mixer_rank) == ("fpmamba", "authors_lm", "householder", 2)
+    assert spec.negative_eigs and spec.mixer_bias_init == 0.0               # a_i = 2 sigmoid(.), 1.0 at init
+    assert (spec.u_activation, spec.out_norm, spec.input_path, spec.gate) == ("silu", "layernorm", "conv_silu",
+                                                                              "inside")
+    assert not spec.bc_norm and not spec.y_into_delta and spec.weight_norm and spec.feedback_init == "linear"
+    solver = cfg.solver.with_overrides(spec.solver, "solver")
+    assert (solver.damping, solver.decay, solver.patience, solver.tol, solver.stop_quantile) == (0.99, 0.9, 15, 0.1,
+                                                                                                0.25)
+    assert (solver.stop_residual, solver.backward, solver.max_iter, solver.eval_max_iter) == ("best", "jfb", 100,
+                                                                                             1000)
+    assert solver.eta_min == 1e-3
+    t = cfg.train
+    assert (t.steps, t.global_batch_tokens, t.lr, t.min_lr, t.warmup, t.weight_decay, t.beta1, t.beta2,
+            t.grad_clip) == (4800, 524288, 4e-3, 1e-5, 480, 0.1, 0.9, 0.95, 1.0)
+    base = fpscale.load_config(os.path.join(root, "125m_mamba1.yaml"))
+    (m1,) = base.model.layers
+    assert base.model.tie_embeddings and not m1.mlp and m1.iterate_free and m1.repeat == 12
+    assert (m1.mixer, m1.bc_norm, m1.out_norm, m1.input_path, m1.gate) == ("none", False, "none", "conv_silu",
+                                                                           "inside")
+    assert (base.train.steps, base.train.global_batch_tokens, base.train.lr) == (t.steps, t.global_batch_tokens, t.lr)
 
 
 def test_model_config_errors_name_the_key():

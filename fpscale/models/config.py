@@ -13,6 +13,7 @@ from fpscale.models.attn import AttnSpec
 from fpscale.models.checkpointing import check_mode
 from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
+from fpscale.models.fpmamba2 import FPMamba2Spec
 from fpscale.models.fpsa import FPSASpec
 from fpscale.models.looped import LoopedCoreSpec
 from fpscale.models.registry import LayerSpec, register_layer
@@ -23,6 +24,7 @@ register_layer(FPSASpec)
 register_layer(FPMambaSpec)
 register_layer(LoopedCoreSpec)
 register_layer(EpsilonSpec)
+register_layer(FPMamba2Spec)
 
 @dataclass
 class IterationCap:

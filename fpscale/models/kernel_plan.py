@@ -22,19 +22,22 @@ def _choice(switch: str, kernel, error, name: str) -> str | None:
 
 
 ATTENTION = "attention (attn, fpsa, looped; epsilon with attention: causal)"
+FPMAMBA2_CPU = "PyTorch (chunked SSD)"
+FPMAMBA2_CUDA = "the fpmamba scan, per group of heads (fpscale.models.ssd)"
 
 
 def plan(cuda: bool) -> dict[str, str]:
     """{what: kernel} that the dispatchers will choose, by layer type, on a CUDA device in bf16 or on
     CPU: the line scripts/setup.sh prints. What actually runs is counted at the call (``fpscale.models.kernels``)."""
     if not cuda:
-        return {ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)"}
+        return {ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)", "fpmamba2 scan": FPMAMBA2_CPU}
     flash = _choice("FPSCALE_FLASH_ATTN", common.FLASH_ATTN, common.FLASH_ATTN_ERROR, "flash-attn")
     mamba = _choice("FPSCALE_MAMBA_SCAN", scan_kernels.MAMBA_SCAN, scan_kernels.MAMBA_SCAN_ERROR, "mamba-ssm")
     triton = _choice("FPSCALE_TRITON_SCAN", scan_kernels.TRITON_SCAN, scan_kernels.TRITON_SCAN_ERROR, "Triton")
     slow = "PyTorch (chunked: about 400 launches a call, tens of times slower; install triton)"
     return {ATTENTION: flash or "SDPA (its flash/cuDNN backends in bf16)",
-            "fpmamba scan": (f"{mamba} (decoding: {triton or slow})" if mamba else triton or slow)}
+            "fpmamba scan": (f"{mamba} (decoding: {triton or slow})" if mamba else triton or slow),
+            "fpmamba2 scan": FPMAMBA2_CUDA}
 
 
 def describe() -> str:

@@ -12,10 +12,18 @@ Theorem 3.1 wants ||I - Q|| < 1, and each range above proves it:
                two reflections 45 degrees apart with a = 0.99 give ||I - Q|| = 1.138.
   dplr         ||sum_i a_i u_i u_i^T|| <= sum_i a_i < 1.
   kronecker    ||K1 (x) K2|| = ||K1|| ||K2|| <= 1 and a < 1.
-``negative_eigs`` doubles the coefficients as seed 002 (App. C.3) and its authors' code do:
-a_i in (0, 2) for each Householder factor (eigenvalue 1 - a_i in (-1, 1)), (0, 2/r) for DPLR,
-a in (0, 2) for Kronecker, so Q reaches eigenvalues in (-1, 0) (state tracking needs them) at
-the cost of the contraction guarantee (||I - Q|| < 2 only). The logits are clamped at
+``negative_eigs`` doubles the coefficients as seed 002 (App. C.3) and its authors' code do
+(dr-faustus/fp-rnn, models/mixer.py: ``HouseholderProducts.forward`` line 61, ``DPLR.forward``
+line 85 and ``KroneckerProduct.forward`` line 178 all subtract ``2 * alpha * ...``, in every run):
+a_i in (0, 2) for each Householder factor (eigenvalue 1 - a_i in (-1, 1)), a_i in (0, 2) for each
+DPLR term (not 2/r: the eigenvalues of I - 2 sum_i a_i u_i u_i^T reach down to 1 - 2r), a in (0, 2)
+for Kronecker, so Q reaches eigenvalues below 0 (state tracking needs them) at the cost of the
+contraction guarantee (||I - Q|| < 2 for Householder and Kronecker, < 2r for DPLR).
+
+Two more of the authors' choices are switches (``apply_mixer``): ``u_activation`` ``silu``
+(u_i = normalize(SiLU(U [x; y])), models/mixer.py line 56; seed 002 App. C.3) and
+``kronecker_norm`` ``rows`` (K = M M^T with each row L2-normalised, models/mixer.py lines
+169-170, instead of dividing by a bound on its largest eigenvalue: no contraction). The logits are clamped at
 ``A_LOGIT_MAX`` so that a saturated sigmoid stays strictly inside its range, and the mixer's
 algebra runs in at least float32 (a bf16 sigmoid rounds to 1.0 from a logit of about 6).
 
@@ -46,17 +54,20 @@ def kronecker_factors(n: int) -> tuple[int, int]:
     return d1, n // d1
 
 
-def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool) -> tuple[float, float]:
+def mixer_flops(kind: str, rank: int, d_inner: int, y_feedback: bool,
+                kronecker_norm: str = "eigenvalue") -> tuple[float, float]:
     """Forward FLOPs per token of the mixer: (once per solve, per application). The projections of
-    x are computed once (``mixer_static``); those of y and Q v in every application."""
+    x are computed once (``mixer_static``); those of y and Q v in every application. A Kronecker
+    factor costs M M^T and, normalised by its eigenvalue bound, 4 squarings (rows: none)."""
     di = d_inner
     if kind in ("householder", "dplr"):            # u_i and a_i projections of x (and y)
         feed = 2 * rank * di * (di + 1)
         return feed, feed if y_feedback else 0.0
-    if kind == "kronecker":     # K1, K2 and a projections, M M^T and 4 squarings of each, K1 V K2^T
+    if kind == "kronecker":     # K1, K2 and a projections, M M^T (and 4 squarings) of each, K1 V K2^T
         d1, d2 = kronecker_factors(di)
         feed = 2 * di * (d1 * d1 + d2 * d2 + 1)
-        return feed, (feed if y_feedback else 0.0) + 5 * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
+        products = 5 if kronecker_norm == "eigenvalue" else 1
+        return feed, (feed if y_feedback else 0.0) + products * 2 * (d1 ** 3 + d2 ** 3) + 2 * di * (d1 + d2)
     return 0.0, 0.0
 
 
@@ -65,27 +76,39 @@ def coefficient_scale(kind: str, rank: int, negative_eigs: bool) -> float:
     if kind == "householder":
         return 2.0 if negative_eigs else 1.0 / rank
     if kind == "dplr":
-        return (2.0 if negative_eigs else 1.0) / rank
+        return 2.0 if negative_eigs else 1.0 / rank
     return 2.0 if negative_eigs else 1.0
 
 
-def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool,
-                      std: float) -> dict[str, torch.nn.Parameter]:
+def make_mixer_params(kind: str, d_inner: int, rank: int, y_feedback: bool, std: float,
+                      bias_init: float = MIX_BIAS_INIT, feedback_init: str = "zero") -> dict[str, torch.nn.Parameter]:
+    """The mixer's parameters: x-halves N(0, std); the coefficient bias ``bias_init`` (fpscale
+    -2: a_i starts at 0.12 of its range; the authors' 0, as mamba_ssm's ``_init_weights`` zeroes
+    every Linear bias: a_i = 2 sigmoid(0) = 1.0 with doubled coefficients). The y-halves: N(0,
+    std) (``feedback_init`` zero, fpscale's), or (``linear``) nn.Linear's default init
+    U(+-1/sqrt(fan_in)) with the authors' fan_in 2 d_inner of their one Linear of [x; y]
+    (models/mixer.py line 41 with models/fp_mamba_block.py line 153)."""
     def p(*shape, scale=std):
         return torch.nn.Parameter(torch.randn(*shape) * scale)
 
+    def p_y(*shape):
+        if feedback_init == "linear":
+            bound = (2 * d_inner) ** -0.5
+            return torch.nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+        return p(*shape)
+
     if kind in ("householder", "dplr"):
         params = {"mix_u_x": p(rank * d_inner, d_inner), "mix_a_x": p(rank, d_inner),
-                  "mix_a_b": torch.nn.Parameter(torch.full((rank,), MIX_BIAS_INIT))}
+                  "mix_a_b": torch.nn.Parameter(torch.full((rank,), float(bias_init)))}
         if y_feedback:
-            params.update(mix_u_y=p(rank * d_inner, d_inner), mix_a_y=p(rank, d_inner))
+            params.update(mix_u_y=p_y(rank * d_inner, d_inner), mix_a_y=p_y(rank, d_inner))
         return params
     if kind == "kronecker":
         d1, d2 = kronecker_factors(d_inner)
         params = {"mix_k1_x": p(d1 * d1, d_inner), "mix_k2_x": p(d2 * d2, d_inner),
-                  "mix_a_x": p(1, d_inner), "mix_a_b": torch.nn.Parameter(torch.full((1,), MIX_BIAS_INIT))}
+                  "mix_a_x": p(1, d_inner), "mix_a_b": torch.nn.Parameter(torch.full((1,), float(bias_init)))}
         if y_feedback:
-            params.update(mix_k1_y=p(d1 * d1, d_inner), mix_k2_y=p(d2 * d2, d_inner), mix_a_y=p(1, d_inner))
+            params.update(mix_k1_y=p_y(d1 * d1, d_inner), mix_k2_y=p_y(d2 * d2, d_inner), mix_a_y=p_y(1, d_inner))
         return params
     return {}
 
@@ -133,11 +156,25 @@ def _normalized_psd(m: torch.Tensor, squarings: int = 4) -> torch.Tensor:
     return k / log_bound.exp()[..., None, None]
 
 
+def _rows_normalized(m: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """K = M M^T with each row divided by its L2 norm (the authors' Kronecker factors,
+    models/mixer.py lines 162-170): ||K||_2 may exceed 1, so no contraction."""
+    k = m @ m.transpose(-1, -2)
+    return k / torch.linalg.vector_norm(k, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def _activation(t: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.nn.functional.silu(t) if name == "silu" else t
+
+
 def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None,
-                negative_eigs: bool = False, shards=Unsharded(), static: dict | None = None) -> torch.Tensor:
+                negative_eigs: bool = False, shards=Unsharded(), static: dict | None = None,
+                u_activation: str = "none", kronecker_norm: str = "eigenvalue") -> torch.Tensor:
     """Q_t v for v, x, y of shape [B, T, d_inner] (this shard's channels under TP), computed in
     at least float32 (v is a difference of the iterate: fpscale.solvers.precision). ``static``:
-    ``mixer_static(kind, params, x, shards)``, computed once per solve (None: computed here)."""
+    ``mixer_static(kind, params, x, shards)``, computed once per solve (None: computed here).
+    ``u_activation`` (none | silu) acts on the projections before u_i is normalised (Kronecker:
+    on M's entries); ``kronecker_norm`` (eigenvalue | rows) normalises K1, K2."""
     if kind == "none":
         return v
     v = wide(v)
@@ -146,7 +183,7 @@ def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: to
         rank = params["mix_a_b"].shape[0]
         whole_x = None if static is not None else shards.enter(shards.gather(x))
         whole_y = None if y is None else shards.enter(shards.gather(y))
-        u = _proj(params, "u", whole_x, whole_y, static).view(B, T, rank, di)
+        u = _activation(_proj(params, "u", whole_x, whole_y, static).view(B, T, rank, di), u_activation)
         u = u * torch.rsqrt(shards.total(u.pow(2).sum(-1, keepdim=True)) + 1e-12)
         logits = shards.exit(_proj(params, "a", x, y, static)) + params["mix_a_b"]
         a = shards.enter(_coefficients(logits, coefficient_scale(kind, rank, negative_eigs)))   # [B, T, rank]
@@ -163,8 +200,9 @@ def apply_mixer(kind: str, params: dict, v: torch.Tensor, x: torch.Tensor, y: to
         y = None if y is None else shards.gather(y)
         B, T, di = v.shape
         d1, d2 = kronecker_factors(di)
-        k1 = _normalized_psd(_proj(params, "k1", x, y, static).view(B, T, d1, d1))
-        k2 = _normalized_psd(_proj(params, "k2", x, y, static).view(B, T, d2, d2))
+        norm = _rows_normalized if kronecker_norm == "rows" else _normalized_psd
+        k1 = norm(_activation(_proj(params, "k1", x, y, static), u_activation).view(B, T, d1, d1))
+        k2 = norm(_activation(_proj(params, "k2", x, y, static), u_activation).view(B, T, d2, d2))
         a = _coefficients(_proj(params, "a", x, y, static) + params["mix_a_b"],
                           coefficient_scale(kind, 1, negative_eigs))                # [B, T, 1]
         kv = (k1 @ v.view(B, T, d1, d2) @ k2.transpose(-1, -2)).reshape(B, T, di)

@@ -37,8 +37,10 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     if stats.nonfinite:         # a token whose f(z*) is not finite gets no gradient (the forward kept z*)
         keep = keep & torch.isfinite(fz.detach()).reshape(*keep.shape, -1).all(-1)
     mask = _per_token(keep, fz).to(fz.dtype)
+    # the adjoint tests its current residual whatever the forward's ``stop_residual``: a best-so-far
+    # test could end it on an adjoint that has since moved away
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
-                                      stop_quantile=0.0, freeze_converged=False)
+                                      stop_quantile=0.0, freeze_converged=False, stop_residual="current")
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask

@@ -28,6 +28,9 @@ class SolverConfig:
       damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z, per sample
       patience, decay    after ``patience`` steps without a new best residual of a sample, that
                          sample's eta <- decay * eta (patience 0 disables the decay)
+      stop_residual      the residual the convergence test reads: ``current`` (this iteration's, default)
+                         or ``best`` (each sample's lowest so far: the FP-RNN authors' solver,
+                         fpscale.solvers.stop_rule)
       eta_min            stop when every unconverged sample's eta fell below this
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
@@ -68,6 +71,7 @@ class SolverConfig:
     patience: int = 5
     decay: float = 0.7
     eta_min: float = 0.05
+    stop_residual: Literal["current", "best"] = "current"
     freeze_converged: bool = False
     anderson: int = 0
     anderson_lambda: float = 1e-4

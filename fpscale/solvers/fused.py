@@ -9,7 +9,8 @@ Here one iteration is f, then
            read of z and f(z)                                       grid: blocks of tokens
   [state_reduce: the partial norms summed / maxed over the shards where z is split (TP FP-Mamba)]
   flags    per sample: the relative residual of each token (a frozen token keeps its last one,
-           padding counts 0), its max over the tokens, and the flags
+           padding counts 0), its max over the tokens (tested against tol, or its lowest so far
+           with ``solver.stop_residual: best``), and the flags
            [non-finite, unconverged, no new best] per sample as int64 [3, B]   grid: B
   [consensus: the flags MAX-reduced over the group, one small all-reduce, as in the PyTorch loop]
   decide   per sample: best residual, patience, the next damping (Algorithm 1), and the decision
@@ -99,7 +100,7 @@ if AVAILABLE:
 
     @triton.jit
     def _flags(part_ptr, frozen_ptr, tres_ptr, real_ptr, best_ptr, consts_ptr, res_ptr, sres_ptr, flags_ptr,
-               B, T, L2: tl.constexpr, HAS_REAL: tl.constexpr, BLOCK_T: tl.constexpr):
+               B, T, L2: tl.constexpr, HAS_REAL: tl.constexpr, BEST: tl.constexpr, BLOCK_T: tl.constexpr):
         b = tl.program_id(0)
         N = B * T
         tol = tl.load(consts_ptr)
@@ -129,8 +130,11 @@ if AVAILABLE:
         tl.store(sres_ptr + b, s)
         best = tl.load(best_ptr + b)
         nonfinite = (s != s) | (tl.abs(s) == float("inf"))
+        tested = s
+        if BEST:         # solver.stop_residual best: the lowest residual so far (fpscale.solvers.stop_rule)
+            tested = tl.where(nonfinite, s, tl.minimum(s, best))
         tl.store(flags_ptr + b, nonfinite.to(tl.int64))
-        tl.store(flags_ptr + B + b, (~(s < tol)).to(tl.int64))
+        tl.store(flags_ptr + B + b, (~(tested < tol)).to(tl.int64))
         tl.store(flags_ptr + 2 * B + b, (~(s < best)).to(tl.int64))
 
     @triton.jit
@@ -280,7 +284,7 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
         _launch(_norms, grid_rows, z, fz, part, N, D, L2=l2, BLOCK_R=block_r, BLOCK_D=block_d)
         parts = part if state_reduce is None else state_reduce(part.view(2, N), "sum" if l2 else "max").reshape(-1)
         _launch(_flags, (B,), parts, frozen, token_res, real8, best, consts, res, sres, flags, B, T,
-                L2=l2, HAS_REAL=real is not None, BLOCK_T=min(_pow2(T), 1024))
+                L2=l2, HAS_REAL=real is not None, BEST=cfg.stop_residual == "best", BLOCK_T=min(_pow2(T), 1024))
         agreed = flags if consensus is None else consensus(flags)
         _launch(_decide, (1,), agreed, sres, best, patience_left, eta, eta_next, alive, first_bad, consts,
                 decision, counts, B, k, limit, cfg.patience, PATIENCE=cfg.patience > 0, AGREE=agree is not None,

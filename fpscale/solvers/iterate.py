@@ -3,7 +3,8 @@
 One loop, at most one host synchronisation per iteration (the stop decision):
   state                 z is kept in float32 (float64 stays float64) whatever dtype f computes in
   residual per token    r_t = ||f(z)_t - z_t|| / (||f(z)_t|| + eps)     (inf or l2 norm)
-  residual per sample   r_b = max_t r_t;   sample b is converged when r_b < tol
+  residual per sample   r_b = max_t r_t;   sample b is converged when r_b < tol (``stop_residual``
+                        best: when its lowest r_b so far is; fpscale.solvers.stop_rule)
   quantile stop         stop once at most floor(p * B) samples are unconverged, i.e. at least
                         (1 - p) of the B samples this solve sees have converged (p = 0: all)
   damped step           z_b <- eta_b f(z)_b + (1 - eta_b) z_b   (or Anderson mixing, weight eta_b)
@@ -46,6 +47,7 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
 from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
+from fpscale.solvers.stop_rule import stop_residual
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
 # element-wise maximum over a process group, so every rank of that group takes the same decision.
@@ -340,7 +342,8 @@ def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, 
         sample_res = res.amax(1)
         finite = torch.isfinite(sample_res)
         # flags this rank saw; under TP their MAX over the group is what every rank acts on
-        flags = StopFlags(nonfinite=~finite.all(), unconverged=~(sample_res < cfg.tol),
+        flags = StopFlags(nonfinite=~finite.all(),
+                          unconverged=~(stop_residual(cfg.stop_residual, sample_res, best) < cfg.tol),
                           no_progress=~(sample_res < best))
         if consensus is not None:
             flags = StopFlags.unpack(consensus(flags.pack()), z.shape[0])

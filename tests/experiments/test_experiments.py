@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task"]
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "stability", "induction",
+               "copy_task"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -92,6 +92,21 @@ def test_hf_logits_equal_fpscale(exported, config):
         assert (logits[b, -len(row):] - want[b, -len(row):]).abs().max().item() < 1e-4, (config, b)
 
 
+@pytest.mark.parametrize("overrides", [["model.layers.0.type=fpmamba2", "model.layers.0.mixer=kronecker",
+                                        "model.layers.0.mixer_rank=1"],
+                                       ["model.layers.0.preset=authors_state_tracking"]],
+                         ids=["fpmamba2", "fpmamba-authors_state_tracking"])
+@torch.no_grad()
+def test_fpmamba2_and_the_authors_blocks_export(tmp_path, tokenizer, overrides):
+    """tiny_fpmamba's blocks as fpmamba2 and as the authors' state-tracking block (the gate outside,
+    weight norm, no conv) give fpscale's logits through the bundled code."""
+    weights = weights_folder("tiny_fpmamba", tmp_path / "weights", 0, *overrides)
+    model, _ = __import__("fpscale.train.checkpoint", fromlist=["load_model"]).load_model(weights)
+    hf = load(export_hf(weights, str(tmp_path / "hf"), tokenizer=tokenizer))
+    tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert (hf(tokens).logits - model.eval()(tokens)).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("config", ["tiny_mixed", "tiny_mixed_epsilon"])
 @torch.no_grad()
 def test_greedy_generation_equals_fpscale_batched_with_padding(exported, config):

@@ -25,13 +25,14 @@ def installed(monkeypatch):
 def test_a_pypi_only_gpu_machine_runs_sdpa_and_the_triton_scan(installed):
     installed(triton=True)
     assert kernel_plan.plan(cuda=True) == {kernel_plan.ATTENTION: "SDPA (its flash/cuDNN backends in bf16)",
-                                       "fpmamba scan": "Triton"}
+                                       "fpmamba scan": "Triton", "fpmamba2 scan": kernel_plan.FPMAMBA2_CUDA}
 
 
 def test_the_optional_kernels_come_first_where_installed(installed):
     installed(flash=True, mamba=True, triton=True)
     assert kernel_plan.plan(cuda=True) == {kernel_plan.ATTENTION: "flash-attn",
-                                           "fpmamba scan": "mamba-ssm (decoding: Triton)"}
+                                           "fpmamba scan": "mamba-ssm (decoding: Triton)",
+                                           "fpmamba2 scan": kernel_plan.FPMAMBA2_CUDA}
 
 
 def test_switches_and_failures_are_named(installed, monkeypatch):
@@ -47,7 +48,8 @@ def test_switches_and_failures_are_named(installed, monkeypatch):
 
 
 def test_on_cpu():
-    assert kernel_plan.plan(cuda=False) == {kernel_plan.ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)"}
+    assert kernel_plan.plan(cuda=False) == {kernel_plan.ATTENTION: "SDPA", "fpmamba scan": "PyTorch (chunked)",
+                                            "fpmamba2 scan": "PyTorch (chunked SSD)"}
     assert kernel_plan.describe().startswith("kernels on cpu: attention (attn, fpsa, looped")
 
 

@@ -36,6 +36,24 @@ CASES = {
     "fpmamba-kronecker-jfb-mlp": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=kronecker",
                                   "model.layers.0.mlp=true", "model.layers.0.d_state=4", "solver.backward=jfb",
                                   "solver.tol=1e-2"],
+    # the authors' blocks (issue 28): LayerNorm, weight norm (column-split groups sum their row
+    # norms over the shards), y into B/C only; the gate outside with W_zy and no conv; rows-normalised Kronecker
+    "fpmamba-authors-lm-jfb": ["model.layers.0.type=fpmamba", "model.layers.0.preset=authors_lm",
+                               "model.layers.0.d_state=4", "model.layers.0.solver.stop_quantile=0.0",
+                               "model.layers.0.solver.tol=1e-3"],      # the preset's solver otherwise: best so far, jfb
+    "fpmamba-authors-state-tracking-kronecker-implicit": [
+        "model.layers.0.type=fpmamba", "model.layers.0.preset=authors_state_tracking", "model.layers.0.mixer=kronecker",
+        "model.layers.0.d_state=4", "model.layers.0.negative_eigs=false", "model.layers.0.mixer_bias_init=-2.0",
+        "model.layers.0.solver.stop_quantile=0.0", "model.layers.0.solver.tol=1e-3",
+        "model.layers.0.solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60"],
+    # fpmamba2 (issue 28): heads split, B/C whole on every rank (each takes its heads' groups), W_zy by rows
+    "fpmamba2-kronecker-jfb": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
+                               "solver.backward=jfb", "solver.tol=1e-3"],
+    "fpmamba2-householder-conv-2groups-implicit": [
+        "model.layers.0.type=fpmamba2", "model.layers.0.mixer=householder", "model.layers.0.mixer_rank=2",
+        "model.layers.0.input_path=conv_silu", "model.layers.0.ngroups=2", "model.layers.0.d_state=4",
+        "model.layers.0.headdim=8", "model.layers.0.negative_eigs=false", "model.layers.0.mixer_bias_init=-2.0",
+        "solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60", "solver.tol=1e-3"],
     "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
                              "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
     "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",

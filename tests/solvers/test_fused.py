@@ -120,6 +120,7 @@ CASES = {
     "tol 0 (one read)": dict(tol=0.0, max_iter=9, eta_min=0.0),
     "check_every 3": dict(tol=1e-4, check_every=3),
     "check_every 4 freeze": dict(tol=1e-3, check_every=4, freeze_converged=True),
+    "best so far": dict(tol=1e-4, stop_residual="best", damping=0.9, patience=2, decay=0.8),
 }
 
 
@@ -301,7 +302,7 @@ def test_the_kernels_compile_for_an_a100(tmp_path, monkeypatch):
            "eta_out": "*{s}", "alive": "*i32", "first_bad": "*i64", "decision": "*i64", "counts": "*i64", "out": "*{s}"}
     launches = [(fused._norms, {"L2": False, "BLOCK_R": 16, "BLOCK_D": 256}),
                 (fused._norms, {"L2": True, "BLOCK_R": 16, "BLOCK_D": 256}),
-                (fused._flags, {"L2": False, "HAS_REAL": True, "BLOCK_T": 1024}),
+                (fused._flags, {"L2": False, "HAS_REAL": True, "BEST": True, "BLOCK_T": 1024}),
                 (fused._decide, {"PATIENCE": True, "AGREE": False, "BLOCK_B": 8}),
                 (fused._decide, {"PATIENCE": False, "AGREE": True, "BLOCK_B": 8}),
                 (fused._agreed, {"BLOCK_B": 8}),

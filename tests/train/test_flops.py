@@ -9,7 +9,9 @@ from fpscale.train.flops import layer_flops, peak_tflops, training_flops
 
 COUNTED = [("attn", {}), ("fpsa", {}), ("looped", {}), ("looped", {"core_blocks": 1, "conv": True}),
            ("fpmamba", {}), ("fpmamba", {"mixer": "dplr", "y_feedback": False}), ("fpmamba", {"mixer": "kronecker"}),
-           ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {})]
+           ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {}),
+           ("fpmamba", {"preset": "authors_state_tracking", "mixer": "kronecker"}),
+           ("fpmamba", {"preset": "authors_lm"})]
 
 
 @pytest.mark.parametrize("kind,spec", COUNTED, ids=[f"{k}-{'-'.join(map(str, s.values()))}" for k, s in COUNTED])
