@@ -101,7 +101,10 @@ def run_key(cfg) -> str:
     d = config_to_dict(cfg)
     d.pop("name", None)
     for spec in d["model"]["layers"]:            # only the fields the layer type reads
-        for k in [k for k in spec if k not in LAYER_FIELDS["all"] + LAYER_FIELDS[spec["type"]]]:
+        keep = LAYER_FIELDS["all"] + LAYER_FIELDS[spec["type"]]
+        if spec.get("deep_supervision", {}).get("window"):      # on: part of the key (off: as before it existed)
+            keep = keep + ["deep_supervision"]
+        for k in [k for k in spec if k not in keep]:
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)

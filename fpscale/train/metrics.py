@@ -74,6 +74,9 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
         })
         if "backward_iterations" in rows[-1]:
             out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
+        if "windows" in rows[-1]:           # deep supervision: supervised windows per forward, their length
+            out[name]["windows_mean"] = float(np.mean([r.get("windows", 0) for r in rows]))
+            out[name]["window"] = rows[-1]["window"]
     return out
 
 

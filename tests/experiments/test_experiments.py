@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task"]
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task",
+               "length_generalisation"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
