@@ -232,7 +232,8 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
         opt.skip_next = not math.isfinite(float(gn))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window.append(float(loss.detach()))
+        # the cross-entropy (with deep supervision the loss minimised also sums the windows' losses)
+        window.append(float(model.last_losses.get("ce", loss).detach()))
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append((step + 1, sum(window) / len(window)))
             iters = {k.split(".")[-1]: v.iterations for k, v in model.solver_stats().items()}
