@@ -8,7 +8,7 @@ import pytest
 import torch
 
 EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task",
-               "length_generalisation"]
+               "length_generalisation", "trainability", "sudoku"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
