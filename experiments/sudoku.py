@@ -202,7 +202,7 @@ def evaluate(model, data: list[dict], batch: int = 50) -> dict:
 
 
 def main():
-    args = parse_args(__doc__, lambda p: p.add_argument("--min-guesses", type=int, default=1,
+    args = parse_args(__doc__, lambda p: p.add_argument("--min-guesses", type=int, default=10,
                                                         help="keep puzzles that need at least this many guesses"))
     if args.quick:
         n_train, n_test, steps, batch = 8, 4, 2, 4
