@@ -205,7 +205,7 @@ def main():
     args = parse_args(__doc__, lambda p: p.add_argument("--min-guesses", type=int, default=10,
                                                         help="keep puzzles that need at least this many guesses"))
     if args.quick:
-        n_train, n_test, steps, batch = 8, 4, 2, 4
+        n_train, n_test, steps, batch = 4, 2, 2, 4
     else:
         n_train, n_test, steps, batch = 1000, 200, 1500, 16
     runs_dir = os.path.join(args.out, "runs")

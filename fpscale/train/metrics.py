@@ -181,6 +181,7 @@ class MetricsWriter:
         iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{s['iters_mean']:.1f}"
                          + (f" (depth {s['depth_mean']:.2f})" if "depth_mean" in s else "")
                          + (f" (dp max {s['iters_dp_max']:.1f})" if "iters_dp_max" in s else "")
+                         + (f" (windows {s['windows_mean']:.1f} x {s['window']})" if "windows_mean" in s else "")
                          for name, s in record.get("layers", {}).items())
         wait = f" dp wait ~{record['dp_wait_est']:.0%}" if "dp_wait_est" in record else ""
         aux = f" aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""
