@@ -4,15 +4,15 @@ post-norm, pre-norm, and pre-norm with residual scaling (fpscale's looped core w
 
 Each normalisation is trained at each number of loops L with the task length matched to it (words of length
 L: the regime the paper describes, "the iteration budget matched to the task length"), backpropagating
-through all L loops (unroll), then evaluated at L loops on fresh words of lengths 2-16; the row reports the
+through all L loops (unroll), then evaluated at L loops on fresh words of lengths 2-32; the row reports the
 longest length whose accuracy (the state after all n elements) is above 90%.
 
-    PYTHONPATH=. python experiments/trainability.py                # full: S3, loops 2/4/8, ~15 min
+    PYTHONPATH=. python experiments/trainability.py                # full: S3, loops 2/4/8/16, ~10 min
     PYTHONPATH=. python experiments/trainability.py --group a5     # the paper's group (at chance at this budget)
     PYTHONPATH=. python experiments/trainability.py --quick        # seconds: pipeline check
 
 Scale-down (README): the paper trains UTs of 2 layers (TRM width) 30 epochs at global batch 1024, lr 1e-4
-(Table 6) on A5; here d_model 64, STEPS x 32 words (the full setting: 400 x 32 = 12,800), lr 3e-3, and S3 by
+(Table 6) on A5; here d_model 64, STEPS x 32 words (the full setting: 2,000 x 32 = 64,000), lr 3e-3, and S3 by
 default: at this budget no model learns A5 at any length (experiments/README.md, state tracking and A5).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fpscale.data.synthetic import SyntheticTask, group_elements  # noqa: E402
 
 D = 64
 NORMS = {"post-norm": PostNormLoop, "pre-norm": PreNormLoop, "pre-norm + residual scaling": None}
-EVAL_LENGTHS = [2, 3, 4, 6, 8, 12, 16]
+EVAL_LENGTHS = [2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 def run_one(group: str, norm: str, loops: int, steps: int, batch: int, lr: float, n_eval: int, lengths) -> dict:
@@ -53,7 +53,7 @@ def main():
     if args.quick:
         loops_list, steps, batch, n_eval, lengths = [2], 2, 4, 8, [2, 4]
     else:
-        loops_list, steps, batch, n_eval, lengths = [2, 4, 8], 400, 32, 128, EVAL_LENGTHS
+        loops_list, steps, batch, n_eval, lengths = [2, 4, 8, 16], 2000, 32, 128, EVAL_LENGTHS
     lr, group = 3e-3, args.group
     runs: dict = {}
     with Timer() as total:
