@@ -115,8 +115,8 @@ def main():
             for name, r in results["runs"].items()]
     text = table(["model", "params"] + [f"acc@{n}" for n in lengths] + ["train s"], rows,
                  f"{group.upper()}: accuracy of the state after n elements (trained at n = {TRAIN_LEN})")
-    text += "\n" + table(["model"] + [f"iters@{n}" for n in lengths],
-                         [[name] + [r["by_length"][n]["iters"] for n in lengths] for name, r in results["runs"].items()],
+    iters = [[name] + [r["by_length"][n]["iters"] for n in lengths] for name, r in results["runs"].items()]
+    text += "\n" + table(["model"] + [f"iters@{n}" for n in lengths], iters,
                          "median iterations in evaluation against the length (FPRM: cap 128)")
     print(f"total wall {total.s:.0f} s", flush=True)
     results["wall_s"], results["table"] = total.s, text

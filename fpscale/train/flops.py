@@ -39,7 +39,8 @@ def training_flops(cfg: ModelConfig, seq_len: int, layer_stats: list[dict | None
                for (static, per_iter), stats in zip(per_layer, layer_stats)]
     for i, ((static, per_iter), stats) in enumerate(zip(per_layer, layer_stats)):
         if stats and stats.get("windows"):       # deep supervision's windows
-            executed += stats["windows"] * (3 * per_iter * stats["window"] + 4 * (sum(forward[i + 1:]) + head_flops(cfg)))
+            after = sum(forward[i + 1:]) + head_flops(cfg)      # the coda and the head
+            executed += stats["windows"] * (3 * per_iter * stats["window"] + 4 * after)
     for (static, per_iter), stats, mode, k in zip(per_layer, layer_stats, backward_modes, phantom_steps):
         nominal += 3 * (static + per_iter)
         if stats is None:
