@@ -106,7 +106,10 @@ def run_key(cfg) -> str:
         fields = LAYER_FIELDS.get(spec["type"])
         if fields is None:
             continue
-        for k in [k for k in spec if k not in LAYER_FIELDS["all"] + fields]:
+        keep = LAYER_FIELDS["all"] + fields
+        if (spec.get("deep_supervision") or {}).get("window"):   # on: part of the key (off: as before it existed)
+            keep = keep + ["deep_supervision"]
+        for k in [k for k in spec if k not in keep]:
             # fpmamba's preset and switches (issue 28) count only where they differ from fpscale's
             # defaults: the runs kept before them keep their keys
             if spec["type"] == "fpmamba" and ((k == "preset" and spec[k] != "none") or
@@ -239,7 +242,8 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
         opt.skip_next = not math.isfinite(float(gn))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window.append(float(loss.detach()))
+        # the cross-entropy (with deep supervision the loss minimised also sums the windows' losses)
+        window.append(float(model.last_losses.get("ce", loss).detach()))
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append((step + 1, sum(window) / len(window)))
             iters = {k.split(".")[-1]: v.iterations for k, v in model.solver_stats().items()}

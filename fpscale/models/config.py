@@ -86,6 +86,14 @@ class ModelConfig:
             if spec.checkpoint is not None:
                 check_mode(spec.checkpoint, f"{prefix}.layers.{i}.checkpoint")
             spec.validate_in(self, f"{prefix}.layers.{i}")
+        supervised = [i for i, spec in enumerate(self.layers) if spec.looped and spec.deep_supervision.window > 0]
+        for i in supervised[1:]:     # the windows of one layer decode through the rest of the model
+            check(False, f"{prefix}.layers.{i}.deep_supervision.window",
+                  f"deep supervision is on for model.layers.{supervised[0]} already: one layer of a model "
+                  f"takes it (the others solve inside its windows' decoding)")
+        for i in supervised:
+            check(self.layers[i].repeat == 1, f"{prefix}.layers.{i}.repeat",
+                  f"must be 1 where deep_supervision is on (one supervised layer), got {self.layers[i].repeat}")
 
     def expanded_layers(self) -> list[LayerSpec]:
         return [spec for spec in self.layers for _ in range(spec.repeat)]

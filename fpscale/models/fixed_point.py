@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from fpscale.models.deep_supervision import run_plan
 from fpscale.models.looping import LoopedLayer
 from fpscale.solvers import SolverConfig, SolverStats, solve
 
@@ -32,6 +33,8 @@ class FixedPointLayer(LoopedLayer):
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
+        self.ds_window = 0               # deep supervision's window (model.layers.N.deep_supervision.window)
+        self.window_plan = None          # set while fpscale.models.deep_supervision drives the solve
 
     @property
     def backward_mode(self) -> str:      # type: ignore[override]
@@ -73,6 +76,8 @@ class FixedPointLayer(LoopedLayer):
                     real: torch.Tensor | None = None) -> torch.Tensor:
         """z* of f from z0; ``real`` [B, T] marks the real tokens of left-padded rows (padding
         never holds up the stop test)."""
+        if self.window_plan is not None:          # a window of a supervised solve (training only)
+            return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,

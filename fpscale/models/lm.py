@@ -16,6 +16,7 @@ import torch
 from fpscale.models.caps import draw_cap
 from fpscale.models.common import LMHead, RMSNorm
 from fpscale.models.config import ModelConfig
+from fpscale.models.deep_supervision import check_solver, deep_supervised_loss, supervised
 from fpscale.models.fixed_point import FixedPointLayer
 from fpscale.models.looping import LoopedLayer
 from fpscale.solvers import SolverConfig, SolverStats
@@ -31,7 +32,13 @@ class LoopedLM(torch.nn.Module):
         layers = []
         for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.models.registry)
             layer_solver = solver.with_overrides(spec.solver, f"model.layers.{i}.solver") if spec.looped else None
-            layers += [spec.build(cfg, layer_solver) for _ in range(spec.repeat)]
+            built = [spec.build(cfg, layer_solver) for _ in range(spec.repeat)]
+            if spec.looped and spec.deep_supervision.window > 0:      # fpscale.models.deep_supervision
+                check_solver(layer_solver, f"model.layers.{i}.solver", bool(getattr(spec, "iterate_free", False)))
+                for block in built:
+                    next(m for m in block.modules() if isinstance(m, FixedPointLayer)).ds_window = \
+                        spec.deep_supervision.window
+            layers += built
         self.layers = torch.nn.ModuleList(layers)
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -43,7 +50,8 @@ class LoopedLM(torch.nn.Module):
 
     # -- the forward pass -------------------------------------------------------------------
     def hidden(self, tokens: torch.Tensor, caches: list[dict] | None = None, pos: int = 0,
-               pad: torch.Tensor | None = None) -> torch.Tensor:
+               pad: torch.Tensor | None = None, stop: int | None = None) -> torch.Tensor:
+        """The final hidden states (after the last norm); with ``stop``, the input of layer ``stop``."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         if pos + tokens.shape[1] > self.cfg.max_seq_len:
@@ -56,8 +64,16 @@ class LoopedLM(torch.nn.Module):
             raise ValueError(f"pad must be a long tensor [batch] = {list(tokens.shape[:1])}, got "
                              f"{pad.dtype} {list(pad.shape)}")
         for i, layer in enumerate(self.layers):
+            if i == stop:
+                return x
             cache = caches[i] if caches is not None else None
             x = layer(x, pos, cache) if pad is None else layer(x, pos, cache, pad=pad)
+        return self.norm(x)
+
+    def hidden_from(self, x: torch.Tensor, start: int, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Layers ``start``, ``start + 1``, ... and the final norm on ``x`` (training: no cache)."""
+        for layer in self.layers[start:]:
+            x = layer(x, 0, None) if pad is None else layer(x, 0, None, pad=pad)
         return self.norm(x)
 
     def head_weight(self) -> torch.Tensor:
@@ -74,6 +90,14 @@ class LoopedLM(torch.nn.Module):
         the sequence (the same tensor at every decoding step): a padded row computes what the
         row alone computes (positions count from its first real token; padding is never read).
         Every layer type takes it as ``pad`` in its forward."""
+        ds = (supervised(self) if targets is not None and self.training and caches is None
+                      and torch.is_grad_enabled() else None)
+        if ds is not None:      # deep supervision's windows (fpscale.models.deep_supervision)
+            loss, ce, windows_ce, windows = deep_supervised_loss(self, tokens, targets, pad, *ds)
+            aux = self.aux_loss()
+            self.last_losses = {"ce": ce.detach(), "aux": None if aux is None else aux.detach(),
+                                "deep_supervision": windows_ce, "windows": windows}
+            return loss if aux is None else loss + aux
         h = self.hidden(tokens, caches, pos, pad)
         if targets is None:
             return self.output(h)

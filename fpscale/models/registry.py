@@ -78,10 +78,29 @@ class LayerSpec:
 
 
 @dataclass
+class DeepSupervision:
+    """Deep supervision with truncated-backprop windows (seed 004, Algorithm 2 and App. D;
+    fpscale.models.deep_supervision): in training, the layer's solve runs in windows of ``window``
+    iterations; after each window the rest of the model and the head decode the current state, the
+    loss of that window is backpropagated through its ``window`` iterations only, and the state is
+    detached. The solver's stop ends the windows; a final window at the stop is supervised as
+    training without deep supervision is (the configured backward mode at the fixed point).
+    ``window: 0`` (default): off."""
+
+    window: int = 0
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.window >= 0, f"{prefix}.window",
+              f"must be >= 0 (iterations per supervised window; 0 = off), got {self.window}")
+
+
+@dataclass
 class FixedPointSpec(LayerSpec):
-    """A looped layer type: ``solver`` overrides the top-level ``solver`` section for it."""
+    """A looped layer type: ``solver`` overrides the top-level ``solver`` section for it;
+    ``deep_supervision`` supervises its solve in windows (:class:`DeepSupervision`)."""
 
     solver: dict[str, Any] = field(default_factory=dict)
+    deep_supervision: DeepSupervision = field(default_factory=DeepSupervision)
 
     looped: ClassVar[bool] = True
 

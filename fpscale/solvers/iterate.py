@@ -183,6 +183,18 @@ class StopDecision:
 
 
 @dataclass
+class Carry:
+    """Algorithm 1's per-sample state where one call of ``iterate`` ends and the next goes on with
+    the same solve (deep supervision's windows, fpscale.models.deep_supervision): damping, best
+    residual, patience left, frozen tokens and the residuals they keep."""
+    eta: torch.Tensor             # [B]
+    best: torch.Tensor            # [B]
+    patience_left: torch.Tensor   # [B] long
+    frozen: torch.Tensor          # [B, T] bool
+    token_res: torch.Tensor       # [B, T]
+
+
+@dataclass
 class IterateResult:
     z: torch.Tensor               # the last iterate, in the solver's state dtype
     iterations: int
@@ -190,6 +202,7 @@ class IterateResult:
     token_res: torch.Tensor       # [B, T] residual of the last evaluated step
     token_converged: torch.Tensor  # [B, T] bool
     eta: torch.Tensor             # [B] damping per sample when the solve ended
+    carry: Carry | None = None    # the state a next call goes on from (the PyTorch loops)
 
 
 def quantile_limit(quantile: float, batch: int) -> int:
@@ -224,7 +237,7 @@ def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
             max_iter: int | None = None, real: torch.Tensor | None = None,
-            agree: Agree | None = None) -> IterateResult:
+            agree: Agree | None = None, carry: Carry | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
@@ -234,6 +247,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     ``agree`` (``solver.agree: dp``): the stop decision is taken over the data-parallel group's
     samples, B on each of ``agree.size`` ranks, as one process would over all of them (one 3-int
     all-reduce per iteration); each sample's damping and patience stay its own.
+    ``carry`` (a previous call's ``IterateResult.carry``): go on with that solve's damping, patience,
+    best residuals and frozen tokens instead of starting afresh (always the PyTorch loop).
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
     tol = cfg.tol
@@ -246,10 +261,13 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     patience_left = torch.full((B,), cfg.patience, dtype=torch.long, device=dev)
     frozen = torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev)
     token_res = torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev)
+    if carry is not None:
+        eta, best, patience_left, frozen, token_res = (carry.eta, carry.best, carry.patience_left, carry.frozen,
+                                                       carry.token_res)
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
     limit = quantile_limit(quantile, B * (agree.size if agree is not None else 1))
     every = read_schedule(cfg, max_iter)
-    if fused_wanted(cfg, z0):
+    if carry is None and fused_wanted(cfg, z0):
         return iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
                                    state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree)
     if every != 1:
@@ -282,7 +300,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
                           else "eta_min")
             break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
-                         token_converged=token_res < tol, eta=eta)
+                         token_converged=token_res < tol, eta=eta,
+                         carry=Carry(eta, best, patience_left, frozen, token_res))
 
 
 def check_step_output(fz, z: torch.Tensor) -> None:
@@ -429,4 +448,5 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
                               else "eta_min")
                 break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
-                         token_converged=token_res < tol, eta=eta)
+                         token_converged=token_res < tol, eta=eta,
+                         carry=Carry(eta, best, patience_left, frozen, token_res))

@@ -46,6 +46,8 @@ class SolverStats:
     tol: float                      # the tolerance applied (raised to the dtype's floor in bf16)
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
     backward_residual: torch.Tensor | float | None = None   # adjoint's largest residual (a device scalar)
+    windows: int | None = None      # deep supervision: windows supervised before the final one
+    window: int | None = None       # deep supervision: iterations per window
 
     @property
     def nonfinite(self) -> bool:
@@ -87,6 +89,8 @@ class SolverStats:
         if self.backward_iterations is not None:
             out["backward_iterations"] = self.backward_iterations
             out["backward_residual"] = values[7]
+        if self.windows is not None:
+            out["windows"], out["window"] = self.windows, self.window
         return out
 
     def to_dict(self) -> dict:

@@ -9,6 +9,9 @@ A looped layer's forward costs ``static + per_iter * iterations``. Training FLOP
             once     2 x per_iter: a layer whose f does not read its iterate applies f once, the
                      differentiable application (its one iteration), and autograd goes through it
 plus 3 x static for every layer. Attention scores are counted causally (T/2 keys on average).
+A layer with deep supervision (fpscale.models.deep_supervision) adds, per supervised window of K
+iterations, the window recomputed and differentiated (3 x per_iter x K) and the rest of the model
+after it and the head, run in the forward, recomputed and differentiated (4 x their forward).
 The per-layer formulas live with their layer types (``flops`` of each spec in fpscale/models/).
 """
 from __future__ import annotations
@@ -31,8 +34,14 @@ def training_flops(cfg: ModelConfig, seq_len: int, layer_stats: list[dict | None
     """(nominal, executed) training FLOPs per token; ``layer_stats[i]`` is None for attn layers,
     else that layer's mean ``iterations`` (and ``backward_iterations``) over the interval."""
     nominal = executed = 3 * head_flops(cfg)
-    for (static, per_iter), stats, mode, k in zip(layer_flops(cfg, seq_len), layer_stats, backward_modes,
-                                                  phantom_steps):
+    per_layer = layer_flops(cfg, seq_len)
+    forward = [static + per_iter * (stats["iterations"] if stats else 0)
+               for (static, per_iter), stats in zip(per_layer, layer_stats)]
+    for i, ((static, per_iter), stats) in enumerate(zip(per_layer, layer_stats)):
+        if stats and stats.get("windows"):       # deep supervision's windows
+            after = sum(forward[i + 1:]) + head_flops(cfg)      # the coda and the head
+            executed += stats["windows"] * (3 * per_iter * stats["window"] + 4 * after)
+    for (static, per_iter), stats, mode, k in zip(per_layer, layer_stats, backward_modes, phantom_steps):
         nominal += 3 * (static + per_iter)
         if stats is None:
             executed += 3 * static

@@ -74,6 +74,9 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
         })
         if "backward_iterations" in rows[-1]:
             out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
+        if "windows" in rows[-1]:           # deep supervision: supervised windows per forward, their length
+            out[name]["windows_mean"] = float(np.mean([r.get("windows", 0) for r in rows]))
+            out[name]["window"] = rows[-1]["window"]
     return out
 
 
@@ -178,6 +181,7 @@ class MetricsWriter:
         iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{s['iters_mean']:.1f}"
                          + (f" (depth {s['depth_mean']:.2f})" if "depth_mean" in s else "")
                          + (f" (dp max {s['iters_dp_max']:.1f})" if "iters_dp_max" in s else "")
+                         + (f" (windows {s['windows_mean']:.1f} x {s['window']})" if "windows_mean" in s else "")
                          for name, s in record.get("layers", {}).items())
         wait = f" dp wait ~{record['dp_wait_est']:.0%}" if "dp_wait_est" in record else ""
         aux = f" aux {record['aux_loss']:.4f}" if "aux_loss" in record else ""

@@ -16,6 +16,7 @@ import yaml
 
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
+from fpscale.errors import check
 from fpscale.log import get_logger
 from fpscale.models import build_model, kernels
 from fpscale.parallel import agree
@@ -121,6 +122,21 @@ def validation_lines(record: dict) -> list[str]:
     return lines
 
 
+def check_deep_supervision(cfg: Config, dp_size: int) -> None:
+    """Under ZeRO-3 with several data-parallel ranks, a layer with deep supervision gathers the rest of
+    the model's parameters once per window over the DP group: every rank must take the same windows,
+    so the stop is agreed over DP (``solver.agree: dp``; fpscale.models.deep_supervision)."""
+    if dp_size < 2 or cfg.parallel.zero_stage != 3:
+        return
+    for i, spec in enumerate(cfg.model.layers):
+        if spec.looped and spec.deep_supervision.window > 0:
+            agree = spec.solver.get("agree", cfg.solver.agree)
+            key = f"model.layers.{i}.solver.agree" if "agree" in spec.solver else "solver.agree"
+            check(agree == "dp", key, f"must be dp where model.layers.{i}.deep_supervision is on under ZeRO-3 with "
+                                      f"{dp_size} data-parallel ranks (each window gathers the parameters over DP: "
+                                      f"the ranks must take the same windows), got {agree}")
+
+
 class Trainer:
     """One training run. Use it as a context manager (or call ``close``): on leaving, the metrics
     are flushed and, when the trainer initialised torch.distributed itself, the process groups
@@ -147,6 +163,7 @@ class Trainer:
             if self.state.is_main and log:
                 logger.info("train.micro_batch: auto -> %d (the largest that fits, fpscale-plan)", t.micro_batch)
         self.batch = resolve_batch(t, self.state.dp_size)
+        check_deep_supervision(cfg, self.state.dp_size)
         cfg.check_micro_batch(self.batch.micro_batch)
         if self.state.is_main and log:
             logger.info(self.batch.describe(cfg.data.seq_len))
@@ -288,7 +305,8 @@ class Trainer:
             summary = layers.get(f"layers.{i}.{kind}")
             stats.append(None if i not in loops or summary is None else
                          {"iterations": summary["iters_mean"],
-                          "backward_iterations": summary.get("backward_iters_mean", 0.0)})
+                          "backward_iterations": summary.get("backward_iters_mean", 0.0),
+                          "windows": summary.get("windows_mean", 0.0), "window": summary.get("window", 0)})
             modes.append(loops[i].backward_mode if i in loops else "-")
             steps.append(loops[i].phantom_steps if i in loops else 1)
         nominal, executed = training_flops(self.cfg.model, self.cfg.data.seq_len, stats, modes, steps)

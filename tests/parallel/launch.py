@@ -58,3 +58,18 @@ def one_process_reference(out_dir: str, *args: str) -> dict:
 def read_ranks(out_dir: str) -> list[dict]:
     files = sorted(f for f in os.listdir(out_dir) if f.startswith("rank"))
     return [json.load(open(os.path.join(out_dir, f))) for f in files]
+
+
+def assert_deep_supervision_matches(ranks: list[dict], reference: dict) -> None:
+    """run_layout.py's ``ds=1`` model (a looped core with deep supervision, randomised caps) on a layout
+    against one process over 5 steps: losses and gradient norms (fp32, 1e-5 / 1e-4 relative), the
+    iterations and the supervised windows of every step, on every rank."""
+    import pytest
+    want = reference["deep_supervision"]
+    assert any(s["windows"][0] > 0 for s in want)          # some step was supervised in windows
+    for r in ranks:
+        got = r["deep_supervision"]
+        assert [(s["iterations"], s["windows"]) for s in got] == [(s["iterations"], s["windows"]) for s in want]
+        for a, b in zip(got, want):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -5,6 +5,9 @@
 Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
 ``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss);
 ``plugin=module`` imports a module first (one that registers a layer type of its own).
+``ds=1`` also trains ``DS``, a looped core with deep supervision (windows of 2), 5 steps on one micro-batch
+per DP rank of the global 8 with ``solver.agree: dp`` (so DP ranks = one process with all 8), in the same
+processes after the main run (no launch of its own), and writes it as ``deep_supervision``.
 Every step and the validation run under ``device_check.checked_collectives``: a collective handed a
 tensor off the compute device fails the run (what NCCL would do on a GPU).
 """
@@ -24,6 +27,28 @@ BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "mode
         "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0", "train.resume=none"]
 
 
+DS = ["model.layers=[{type: attn}, {type: looped, core_blocks: 1, conv: true, deep_supervision: {window: 2}, "
+      "solver: {backward: phantom, phantom_steps: 2, tol: 1e-3, max_iter: 12, agree: dp}}, {type: attn}]",
+      "model.iteration_cap.dist=exponential", "model.iteration_cap.mean=7"]
+
+
+def deep_supervised(trainer, out: str, layout: list[str]) -> list[dict]:
+    """5 steps of DS on ``trainer``'s process groups: loss, gradient norm, iterations and windows."""
+    dp = trainer.state.dp_size
+    cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_attn.yaml"),
+                              BASE + [f"train.out_dir={out}/ds", "name=ds", f"train.micro_batch={8 // dp}",
+                                      *DS, *layout])
+    ds = Trainer(cfg, log=False, state=trainer.state)
+    steps = []
+    for _ in range(cfg.train.steps):
+        s = ds.train_step()
+        stats = s["layer_stats"]["layers.1.looped"]
+        steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "iterations": [st.iterations for st in stats],
+                      "windows": [st.windows for st in stats]})
+    ds.close()
+    return steps
+
+
 def main():
     import torch
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -40,7 +65,8 @@ def run(checked):
     config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
     for plugin in [a.split("=")[1] for a in args if a.startswith("plugin=")]:
         importlib.import_module(plugin)
-    own = ("zero_stage=", "rank_tol=", "config=", "nan_at=", "plugin=")
+    own = ("zero_stage=", "rank_tol=", "config=", "nan_at=", "plugin=", "ds=")
+    with_ds = "ds=1" in args
     overrides = BASE + [f"train.out_dir={out}"] + [a for a in args if not a.startswith(own)]
     if zero:
         overrides.append(f"parallel.zero_stage={zero[0]}")
@@ -60,12 +86,15 @@ def run(checked):
             steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
                           "iterations": {k: [st.iterations for st in v] for k, v in s["layer_stats"].items()}})
         val = trainer.evaluate()
+    layout = [a for a in overrides if a.startswith("parallel.")]
+    ds_steps = deep_supervised(trainer, out, layout) if with_ds else None
     # replicated (not TP-split) weights: every TP shard must hold the very same values
     replicated = {n: float(p.detach().double().sum()) for n, p in trainer.model.named_parameters()
                   if not getattr(p, "tensor_model_parallel", False) and p.numel() > 0}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size,
-                   "replicated": replicated, "checked_collectives": dict(checked)}, fh)
+                   "replicated": replicated, "checked_collectives": dict(checked),
+                   **({"deep_supervision": ds_steps} if with_ds else {})}, fh)
     trainer.close()
 
 

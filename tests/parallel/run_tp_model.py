@@ -2,8 +2,8 @@
 
 Each rank builds the same whole model (same seed), keeps a copy, splits the other with
 ``parallelize`` and runs both on the same tokens: loss, every gradient (the shards' gradients
-merged with ``unshard``), the iteration counts of every solve (forward and adjoint) and the
-power-iteration vectors must agree. Rank 0 writes OUT/ok on success.
+merged with ``unshard``), the iteration counts of every solve (forward and adjoint), the deep
+supervision windows and the power-iteration vectors must agree. Rank 0 writes OUT/ok on success.
 
     torchrun --nproc_per_node 2 tests/parallel/run_tp_model.py OUT
     ONLY=fpsa,looped EXTRA="solver.bookkeeping=fused" TRITON_INTERPRET=1 torchrun ...   # some cases, more overrides
@@ -56,6 +56,9 @@ CASES = {
         "solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60", "solver.tol=1e-3"],
     "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
                              "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "looped-deep-supervision-implicit": [
+        "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
+        "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
     "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",
                      "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
@@ -97,12 +100,16 @@ def check_case(name, overrides, state, tokens, targets):
             dist.all_gather(pieces, buffers[n].contiguous(), group=state.tp_group)
             assert torch.allclose(unshard(pieces, 0), b, **TOL), (name, n)
 
-    mine = {k: (s.iterations, getattr(s, "backward_iterations", None)) for k, s in split.layer_stats().items()}
+    mine = {k: (s.iterations, getattr(s, "backward_iterations", None), getattr(s, "windows", None))
+            for k, s in split.layer_stats().items()}
     theirs = [None] * state.tp_size
     dist.all_gather_object(theirs, mine, group=state.tp_group)
     assert all(t == mine for t in theirs), (name, theirs)
-    ref = {k: (s.iterations, getattr(s, "backward_iterations", None)) for k, s in whole.layer_stats().items()}
+    ref = {k: (s.iterations, getattr(s, "backward_iterations", None), getattr(s, "windows", None))
+           for k, s in whole.layer_stats().items()}
     assert mine == ref, (name, mine, ref)
+    if "deep-supervision" in name:     # the case supervises windows
+        assert ref["layers.1.looped"][2] > 0, ref
 
 
 def main(out):

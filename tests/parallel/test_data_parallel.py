@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.parallel.launch import one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import assert_deep_supervision_matches, one_process_reference, read_ranks, torchrun
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = "tests/parallel/run_layout.py"
@@ -10,8 +10,12 @@ SCRIPT = "tests/parallel/run_layout.py"
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_dp2_matches_one_process(tmp_path, reference, zero_stage):
-    torchrun(2, SCRIPT, [str(tmp_path), f"zero_stage={zero_stage}"])
+    """ZeRO-3 also trains a looped core with deep supervision (``ds=1``, solver.agree: dp) in the same
+    processes: DP2 with micro-batch 4 = one process with the 8."""
+    torchrun(2, SCRIPT, [str(tmp_path), f"zero_stage={zero_stage}", *(["ds=1"] if zero_stage == 3 else [])])
     ranks = read_ranks(str(tmp_path))
+    if zero_stage == 3:
+        assert_deep_supervision_matches(ranks, reference)
     assert len(ranks) == 2 and ranks[0]["world"] == 2
     for r in ranks:
         # fp32; the gradient all-reduce sums in another order than one process: 1e-5 relative

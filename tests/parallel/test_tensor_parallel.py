@@ -6,7 +6,7 @@ import pytest
 import fpscale
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState
-from tests.parallel.launch import one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import assert_deep_supervision_matches, one_process_reference, read_ranks, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
 
@@ -23,10 +23,14 @@ def test_every_layer_type_split_over_tp_equals_the_whole_model(tmp_path):
 @pytest.mark.parametrize("nproc,zero", [(2, 0), (2, 1), (2, 3), (4, 2)],
                          ids=["tp2-zero0", "tp2-zero1", "tp2-zero3", "tp2xdp2-zero2"])
 def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
-    """tiny_mixed (attn, fpsa, fpmamba, looped) trained 5 steps on a TP layout vs one process."""
-    torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}"], timeout=400)
+    """tiny_mixed (attn, fpsa, fpmamba, looped) trained 5 steps on a TP layout vs one process; TP2
+    ZeRO-3 also trains a looped core with deep supervision (``ds=1``) in the same processes."""
+    ds = ["ds=1"] if (nproc, zero) == (2, 3) else []
+    torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}", *ds], timeout=400)
     ranks = read_ranks(str(tmp_path))
     assert len(ranks) == nproc
+    if ds:
+        assert_deep_supervision_matches(ranks, reference)
     for r in ranks:
         # fp32; sharded matmuls and reductions sum in another order than one process
         for got, want in zip(r["steps"], reference["steps"]):

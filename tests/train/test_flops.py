@@ -112,3 +112,17 @@ def test_epsilon_flops_match_torch_flop_counter(attention):
     static, per_iter = cfg.model.layers[0].flops(cfg.model, T)
     not_counted = k * attention_score_flops(d, T) if attention == "causal" else 0.0
     assert sum(ops.values()) / (B * T) == pytest.approx(static + k * per_iter - not_counted, rel=1e-9)
+
+
+def test_deep_supervision_windows_add_their_recomputed_forward_and_backward():
+    """Per supervised window of K: 3 x per_iter x K for the window, 4 x (the layers after it + the head)."""
+    import fpscale
+    from fpscale.train.flops import head_flops, layer_flops, training_flops
+    cfg = fpscale.load_config(None, ["model.layers=[{type: attn}, {type: looped, deep_supervision: {window: 3}}, "
+                                     "{type: attn}]"]).model
+    per = layer_flops(cfg, 64)
+    stats = [None, {"iterations": 7.0, "backward_iterations": 0.0, "windows": 0.0, "window": 3}, None]
+    modes, ks = ["-", "phantom", "-"], [1, 2, 1]
+    _, plain = training_flops(cfg, 64, stats, modes, ks)
+    _, two = training_flops(cfg, 64, [None, {**stats[1], "windows": 2.0}, None], modes, ks)
+    assert two - plain == pytest.approx(2 * (3 * per[1][1] * 3 + 4 * (per[2][0] + head_flops(cfg))))
