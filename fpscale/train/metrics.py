@@ -72,6 +72,10 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
             "converged_fraction": float(np.mean([r["converged_fraction"] for r in rows])),
             "eta": float(np.mean([r["eta"] for r in rows])),
         })
+        if "entry_iterations_mean" in rows[-1]:     # fpsa with freezing: iterations per entry, per head
+            out[name]["entry_iters_mean"] = float(np.mean([r["entry_iterations_mean"] for r in rows]))
+            for head in rows[-1].get("head_iterations", {}):
+                out[name][f"head_iters_{head}"] = float(np.mean([r["head_iterations"][head] for r in rows]))
         if "backward_iterations" in rows[-1]:
             out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
     return out

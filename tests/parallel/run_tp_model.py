@@ -27,6 +27,9 @@ CASES = {
     "attn": ["model.layers.0.type=attn"],
     "fpsa-implicit": ["model.layers.0.type=fpsa", "solver.backward=implicit", "solver.backward_tol=1e-8",
                       "solver.backward_max_iter=60"],
+    "fpsa-heads-freeze-implicit": ["model.layers.0.type=fpsa", "model.layers.0.halting=head",
+                                   "solver.freeze_converged=true", "solver.backward_freeze=true",
+                                   "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
     "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.backward=unroll", "solver.anderson=3"],
     "fpmamba-householder-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4",
                                      "solver.backward=implicit", "solver.backward_tol=1e-6",
@@ -85,6 +88,11 @@ def check_case(name, overrides, state, tokens, targets):
     assert all(t == mine for t in theirs), (name, theirs)
     ref = {k: (s.iterations, getattr(s, "backward_iterations", None)) for k, s in whole.layer_stats().items()}
     assert mine == ref, (name, mine, ref)
+    for k, s in split.layer_stats().items():     # fpsa halting: head: a head's iterations where it lives
+        if getattr(s, "head_offset", None) is not None and s.entry_iterations is not None:
+            heads, whole_heads = s.to_dict()["head_iterations"], whole.layer_stats()[k].to_dict()["head_iterations"]
+            assert len(heads) == len(whole_heads) // state.tp_size, (name, heads)
+            assert all(whole_heads[h] == v for h, v in heads.items()), (name, heads, whole_heads)
 
 
 def main(out):
