@@ -14,6 +14,7 @@ from fpscale.models.checkpointing import check_mode
 from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
 from fpscale.models.fpsa import FPSASpec
+from fpscale.models.fpsa_lh import FPSALHSpec
 from fpscale.models.looped import LoopedCoreSpec
 from fpscale.models.registry import LayerSpec, register_layer
 
@@ -23,6 +24,7 @@ register_layer(FPSASpec)
 register_layer(FPMambaSpec)
 register_layer(LoopedCoreSpec)
 register_layer(EpsilonSpec)
+register_layer(FPSALHSpec)
 
 @dataclass
 class IterationCap:

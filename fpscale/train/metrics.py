@@ -84,7 +84,7 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
 def summarize_halting(rows: list[dict]) -> dict:
     """A halting layer's interval: the means of its per-forward expected depth (mean, p50, p90),
     KL and bin entropy, and the fraction of tokens halted by each step (``halted_by_step_{t}``)."""
-    keys = ("depth_mean", "depth_p50", "depth_p90", "halt_step_mean", "kl", "bin_entropy")
+    keys = ("depth_mean", "depth_p50", "depth_p90", "halt_step_mean", "kl", "ponder", "bin_entropy")
     out = {key: float(np.mean([r[key] for r in rows])) for key in keys if key in rows[-1]}
     for t, frac in enumerate(np.mean([r["halted_by_step"] for r in rows], axis=0), start=1):
         out[f"halted_by_step_{t}"] = float(frac)

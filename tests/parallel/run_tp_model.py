@@ -31,6 +31,7 @@ CASES = {
                                    "solver.freeze_converged=true", "solver.backward_freeze=true",
                                    "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
     "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.backward=unroll", "solver.anderson=3"],
+    "fpsa_lh": ["model.layers.0.type=fpsa_lh", "model.layers.0.max_steps=4", "model.layers.0.ponder_cost=0.1"],
     "fpmamba-householder-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4",
                                      "solver.backward=implicit", "solver.backward_tol=1e-6",
                                      "solver.backward_max_iter=60", "solver.tol=1e-3"],
