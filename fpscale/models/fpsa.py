@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fpscale.errors import check
 from fpscale.models.attn import AttnBlock, heads_and_mlp
 from fpscale.models.common import (
     TPSplit,
@@ -62,9 +63,8 @@ from fpscale.models.common import (
     swiglu_hidden,
 )
 from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.solvers.stats import SolverStats
-from fpscale.errors import check
 from fpscale.models.registry import FixedPointSpec
+from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
 

@@ -35,10 +35,18 @@ import torch.nn.functional as F
 
 from fpscale.errors import check
 from fpscale.models.attn import heads_and_mlp
-from fpscale.models.common import (TPSplit, attention_score_flops, mlp_flops, real_tokens, rope_span,
-                                   split_heads, swiglu_hidden, wide)
+from fpscale.models.common import (
+    TPSplit,
+    attention_score_flops,
+    mlp_flops,
+    real_tokens,
+    rope_span,
+    split_heads,
+    swiglu_hidden,
+    wide,
+)
 from fpscale.models.fpsa import FPSABlock, FPSAttention, token_major
-from fpscale.models.halting import HALTED, Halting, HaltingStats
+from fpscale.models.halting import Halting, HaltingStats
 from fpscale.models.looping import LoopedLayer
 from fpscale.models.registry import LayerSpec
 
@@ -106,8 +114,9 @@ class FPSALHAttention(LoopedLayer):
 
     def gate(self, phi: torch.Tensor) -> torch.Tensor:
         """lambda [B, H, T] from the features [B, H, T, 3]."""
-        hidden = F.gelu(torch.einsum("bhtf,hfn->bhtn", phi, self.gate_w1.to(phi.dtype)) + self.gate_b1[:, None].to(phi.dtype))
-        return torch.sigmoid((hidden * self.gate_w2[:, None].to(phi.dtype)).sum(-1) + self.gate_b2[:, None].to(phi.dtype))
+        w1, b1, w2, b2 = (p.to(phi.dtype) for p in (self.gate_w1, self.gate_b1, self.gate_w2, self.gate_b2))
+        hidden = F.gelu(torch.einsum("bhtf,hfn->bhtn", phi, w1) + b1[:, None])
+        return torch.sigmoid((hidden * w2[:, None]).sum(-1) + b2[:, None])
 
     def attend(self, q, k, v, scale, pos_q: int, pad) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Causal attention of q [B, H, T, dh] over k, v [B, H, Tk, dh] (queries at the end): the
