@@ -243,7 +243,7 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
 def eval_aligned(model, task, n: int, batch: int = 128, depth: int | None = None) -> dict:
     """Accuracy on ``n`` examples of ``task`` (evaluation mode, every looped layer capped at
     ``depth``): ``token_acc`` over scored targets, ``last_acc`` at each example's last scored
-    target, ``iters`` [per batch, the largest iteration count of any looped layer]."""
+    target, ``iters`` [per batch, the largest iteration count (or halting steps run) of any looped layer]."""
     model.eval()
     right = total = last_right = 0
     iters = []
@@ -257,7 +257,7 @@ def eval_aligned(model, task, n: int, batch: int = 128, depth: int | None = None
             last = scored.long().cumsum(1).argmax(1)             # position of the last scored target
             rows = torch.arange(len(targets))
             last_right += int((pred[rows, last] == targets[rows, last]).sum())
-            stats = model.solver_stats()
+            stats = model.layer_stats()          # solves and halting loops
             if stats:
                 iters.append(max(s.iterations for s in stats.values()))
     model.train()
