@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task"]
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "stability", "induction", "copy_task", "classify"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
