@@ -66,3 +66,17 @@ def test_cached_decoding_matches_recomputation_per_head():
 def test_halting_key_is_checked():
     with pytest.raises(ConfigError, match="halting"):
         tiny_model("fpsa", halting="sample")
+
+
+def test_per_head_iterations_reach_the_logs_and_tensorboard_tags():
+    from fpscale.train.metrics import scalars, summarize_layers
+    model = tiny_model("fpsa", halting="head", solver=FREEZE).eval()
+    with torch.no_grad():
+        model(torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(4)))
+    rows = {name: [s.to_dict()] for name, s in model.layer_stats().items()}
+    layers = summarize_layers(rows)
+    tags = scalars({"step": 1, "layers": layers})
+    name = next(iter(rows))
+    per_head = [tags[f"solver/{name}/head_iters_{h}"] for h in range(4)]
+    assert per_head == [rows[name][0]["head_iterations"][h] for h in range(4)]
+    assert tags[f"solver/{name}/entry_iters_mean"] == sum(per_head) / 4
