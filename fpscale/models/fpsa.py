@@ -38,7 +38,6 @@ Where convergence is judged (``halting``):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -213,8 +212,8 @@ class FPSAttention(FixedPointLayer):
             return step(z, h, w_qk, v_all, cos, sin, scale, past_k, pad)
 
         z = self.fixed_point(f, z0, real)
-        self.last_stats = FPSAStats.of(self.last_stats, counter.result(z, self.last_stats.iterations),
-                                       n_heads, real, self.head_offset(n_heads) if heads else None)
+        self.last_stats = FPSAStats(self.last_stats, counter.result(z, self.last_stats.iterations),  # type: ignore
+                                    n_heads, real, self.head_offset(n_heads) if heads else None)
         if heads:
             z = self.project(z)
         if cache is not None:
@@ -269,21 +268,22 @@ class EntryIterations:
             return self.counts[-1] + self.changed(z_star.detach(), self.prev)
 
 
-@dataclass
-class FPSAStats(SolverStats):
-    """SolverStats plus, with freezing, the iterations each entry ran: per head (``halting: head``,
-    this rank's heads: ``head_offset`` is the first one's global index) and their mean over real
-    entries. Without freezing every entry ran ``iterations``."""
+class FPSAStats:
+    """The solve's SolverStats plus, with freezing, the iterations each entry ran: per head
+    (``halting: head``, this rank's heads: ``head_offset`` is the first one's global index) and their
+    mean over real entries. Without freezing every entry ran ``iterations``. Every other attribute is
+    the solve's own object's, read through (the implicit backward sets ``backward_iterations`` on it
+    after the forward)."""
 
-    entry_iterations: torch.Tensor | None = None     # [B, T * H] int32 (H = 1 in halting: token)
-    n_heads: int = 1
-    real: torch.Tensor | None = None                 # [B, T * H] bool, or None
-    head_offset: int | None = None                   # None in halting: token
+    def __init__(self, base: SolverStats, entries: torch.Tensor | None, n_heads: int,
+                 real: torch.Tensor | None, head_offset: int | None):
+        self.base, self.entry_iterations, self.n_heads = base, entries, n_heads   # entries [B, T * H] int32
+        self.real, self.head_offset = real, head_offset
 
-    @classmethod
-    def of(cls, stats: SolverStats, entries, n_heads: int, real, head_offset) -> "FPSAStats":
-        return cls(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(SolverStats)},
-                   entry_iterations=entries, n_heads=n_heads, real=real, head_offset=head_offset)
+    def __getattr__(self, name: str):
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def per_head(self) -> torch.Tensor:
         """[H] mean iterations of each head's real entries (one value in halting: token)."""
@@ -292,21 +292,24 @@ class FPSAStats(SolverStats):
         return (n * w).sum((0, 1)) / w.sum((0, 1)).clamp_min(1)
 
     def summary(self) -> torch.Tensor:
-        base = super().summary()
+        base = self.base.summary()
         if self.entry_iterations is None:
             return base
         return torch.cat([base, self.per_head().to(device=base.device, dtype=base.dtype)])
 
     def from_summary(self, values: list[float]) -> dict:
         if self.entry_iterations is None:
-            return super().from_summary(values)
+            return self.base.from_summary(values)
         n_base = len(values) - self.n_heads
-        out = super().from_summary(values[:n_base])
+        out = self.base.from_summary(values[:n_base])
         heads = values[n_base:]
         out["entry_iterations_mean"] = sum(heads) / len(heads)
         if self.head_offset is not None:
             out["head_iterations"] = {self.head_offset + i: v for i, v in enumerate(heads)}
         return out
+
+    def to_dict(self) -> dict:
+        return self.from_summary(self.summary().tolist())
 
 
 class FPSABlock(AttnBlock):

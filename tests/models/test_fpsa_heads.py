@@ -80,3 +80,11 @@ def test_per_head_iterations_reach_the_logs_and_tensorboard_tags():
     per_head = [tags[f"solver/{name}/head_iters_{h}"] for h in range(4)]
     assert per_head == [rows[name][0]["head_iterations"][h] for h in range(4)]
     assert tags[f"solver/{name}/entry_iters_mean"] == sum(per_head) / 4
+
+
+def test_the_adjoint_iterations_reach_the_statistics():
+    model = tiny_model("fpsa", halting="head", solver={**FREEZE, "backward_freeze": True}).train()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(5))
+    model(tokens, targets=tokens).backward()
+    stats = model.layers[0].attn.last_stats.to_dict()
+    assert stats["backward_iterations"] >= 1 and "head_iterations" in stats
