@@ -90,6 +90,8 @@ QUICK_LM = ["train.steps=3", "train.eval_interval=3", "train.eval_batches=1", "t
 LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spectral_norm", "temperature"],
                 "fpmamba": ["mixer", "mixer_rank", "negative_eigs", "d_state", "expand", "d_conv", "y_feedback"],
                 "looped": ["core_blocks", "a1_init", "a2_init", "conv"]}
+# keys added after runs were kept: left out of the key at their default (kept runs stay reusable)
+NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token"}
 
 
 def run_key(cfg) -> str:
@@ -101,7 +103,11 @@ def run_key(cfg) -> str:
     d = config_to_dict(cfg)
     d.pop("name", None)
     for spec in d["model"]["layers"]:            # only the fields the layer type reads
+        if spec["type"] not in LAYER_FIELDS:     # a type not listed (epsilon, fpsa_lh): every field counts
+            continue
         for k in [k for k in spec if k not in LAYER_FIELDS["all"] + LAYER_FIELDS[spec["type"]]]:
+            if spec[k] != NEW_KEY_DEFAULTS.get((spec["type"], k), spec[k]):
+                continue                         # a key added later, away from its default: it counts
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)
