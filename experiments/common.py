@@ -91,6 +91,8 @@ LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spect
                 "fpmamba": ["mixer", "mixer_rank", "negative_eigs", "d_state", "expand", "d_conv", "y_feedback"],
                 "looped": ["core_blocks", "a1_init", "a2_init", "conv"],
                 "fpmamba2": None}    # None: every field (a type added after the runs kept so far)
+# keys added after runs were kept: left out of the key at their default (kept runs stay reusable)
+NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token"}
 
 
 def run_key(cfg) -> str:
@@ -104,7 +106,7 @@ def run_key(cfg) -> str:
     from fpscale.models.fpmamba import DEFAULTS as FPMAMBA_DEFAULTS
     for spec in d["model"]["layers"]:            # only the fields the layer type reads
         fields = LAYER_FIELDS.get(spec["type"])
-        if fields is None:
+        if fields is None:                       # a type not listed (epsilon, fpsa_lh, fpmamba2): every field
             continue
         keep = LAYER_FIELDS["all"] + fields
         if (spec.get("deep_supervision") or {}).get("window"):   # on: part of the key (off: as before it existed)
@@ -115,6 +117,8 @@ def run_key(cfg) -> str:
             if spec["type"] == "fpmamba" and ((k == "preset" and spec[k] != "none") or
                                               (k in FPMAMBA_DEFAULTS and spec[k] != FPMAMBA_DEFAULTS[k])):
                 continue
+            if spec[k] != NEW_KEY_DEFAULTS.get((spec["type"], k), spec[k]):
+                continue                         # a key added later, away from its default: it counts
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)
@@ -257,7 +261,7 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
 def eval_aligned(model, task, n: int, batch: int = 128, depth: int | None = None) -> dict:
     """Accuracy on ``n`` examples of ``task`` (evaluation mode, every looped layer capped at
     ``depth``): ``token_acc`` over scored targets, ``last_acc`` at each example's last scored
-    target, ``iters`` [per batch, the largest iteration count of any looped layer]."""
+    target, ``iters`` [per batch, the largest iteration count (or halting steps run) of any looped layer]."""
     model.eval()
     right = total = last_right = 0
     iters = []
@@ -271,7 +275,7 @@ def eval_aligned(model, task, n: int, batch: int = 128, depth: int | None = None
             last = scored.long().cumsum(1).argmax(1)             # position of the last scored target
             rows = torch.arange(len(targets))
             last_right += int((pred[rows, last] == targets[rows, last]).sum())
-            stats = model.solver_stats()
+            stats = model.layer_stats()          # solves and halting loops
             if stats:
                 iters.append(max(s.iterations for s in stats.values()))
     model.train()

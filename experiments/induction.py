@@ -1,10 +1,13 @@
 """Seed 000 (FPSA), Sec. 3.1 and Fig. 2, scaled down: randomised induction with distractors (RID).
 Each sequence holds a true pair (A, B) in its first half, K distractor pairs (A, D) with D != B after
 it, and ends with the query A, MASK; the model must output B at MASK. Models at d = 64, 4 heads:
-  FPSA 1 layer (fpscale's fpsa block, the tiny_fpsa solver settings)
+  FPSA 1 layer (fpscale's fpsa block, the tiny_fpsa solver settings), judged per token (``halting: token``)
+  and per token and head (``halting: head``, the paper's App. C.2, freezing in the adjoint too)
+  FPSA-LH 1 layer (``fpsa_lh``: learned per-(token, head) halting, Sec. 4.5 / App. F, 12 steps at most)
   attention 1 layer, attention 2 layers
 trained on K in {0..4} at length 64; tested on K = 0 .. 24 (Fig. 2b), and the mean attention entropy
-of the query position against the FPSA iteration (Fig. 2a; the attention layers' single pass beside it).
+of the query position against the FPSA iteration (Fig. 2a; the attention layers' single pass beside it),
+and per head the histogram of the iterations each head ran at the query position (K = 4).
 
     PYTHONPATH=. python experiments/induction.py            # full: ~12 min on 2 cores
     PYTHONPATH=. python experiments/induction.py --quick    # seconds: pipeline check
@@ -32,6 +35,8 @@ FPSA_SOLVER = {"max_iter": 20, "eval_max_iter": 40, "tol": 2e-2, "stop_quantile"
                "freeze_converged": True}
 MODELS = {
     "FPSA 1L": [{"type": "fpsa"}],
+    "FPSA 1L per head": [{"type": "fpsa", "halting": "head", "solver": {"backward_freeze": True}}],
+    "FPSA-LH 1L": [{"type": "fpsa_lh", "max_steps": 12, "ponder_cost": 0.01}],
     "attention 1L": [{"type": "attn"}],
     "attention 2L": [{"type": "attn", "repeat": 2}],
 }
@@ -81,9 +86,28 @@ class EntropyProbe:
 
 
 @torch.no_grad()
+def head_iterations(model, task, n: int) -> dict[int, list[int]] | None:
+    """Per head, the histogram (index: iterations) of the iterations it ran at the query position:
+    FPSA's per-entry counts (with freezing), FPSA-LH's halting steps; None for the attention models."""
+    model.eval()
+    inputs, _ = task.examples(range(n))
+    model(inputs)
+    stats = next(iter(model.layer_stats().values()), None)
+    if getattr(stats, "entry_iterations", None) is not None:          # fpsa: [B, T * H]
+        counts = stats.entry_iterations.view(n, LENGTH, -1)[:, -1]
+    elif hasattr(stats, "halt_step"):                                 # fpsa_lh: [B, H * T]
+        counts = stats.halt_step.view(n, -1, LENGTH)[:, :, -1]
+    else:
+        return None
+    return {h: torch.bincount(counts[:, h].long()).tolist() for h in range(counts.shape[1])}
+
+
+@torch.no_grad()
 def entropy_by_iteration(model, name: str, task, n: int, iters: int) -> list[float]:
     model.eval()
     inputs, _ = task.examples(range(n))
+    if name.startswith("FPSA-LH"):       # its attention is its own (explicit), not the probed one
+        return []
     if name.startswith("FPSA"):
         import dataclasses
         layer = next(iter(model.fixed_point_layers().values()))
@@ -121,6 +145,8 @@ def main():
             r["entropy"] = entropy_by_iteration(model, name, SyntheticTask("induction", VOCAB, LENGTH, 60_000,
                                                                            distractors=4), min(n_eval, 128),
                                                 8 if args.quick else 40)
+            r["head_iterations"] = head_iterations(model, SyntheticTask("induction", VOCAB, LENGTH, 60_000,
+                                                                        distractors=4), min(n_eval, 128))
             results["models"][name] = r
     rows = [[name, r["params"]] + [r["by_k"][k]["acc"] for k in ks] + [round(r["train_s"])]
             for name, r in results["models"].items()]
@@ -128,8 +154,16 @@ def main():
                  f"RID accuracy against the number of distractors K (length {LENGTH}, trained on K <= 4; "
                  f"chance ~{1 / (VOCAB - 1):.2f})")
     fp = results["models"]["FPSA 1L"]
-    text += "\n" + table(["model"] + [f"K={k}" for k in ks], [["FPSA 1L"] + [fp["by_k"][k]["iters"] for k in ks]],
-                         "FPSA median evaluation iterations against K")
+    looped = [n for n in results["models"] if n.startswith("FPSA")]
+    text += "\n" + table(["model"] + [f"K={k}" for k in ks],
+                         [[n] + [results["models"][n]["by_k"][k]["iters"] for k in ks] for n in looped],
+                         "FPSA median evaluation iterations against K (FPSA-LH: steps its loop ran)")
+    hist_rows = [[n, h, sum(i * c for i, c in enumerate(hist)) / max(sum(hist), 1),
+                  max(i for i, c in enumerate(hist) if c)]
+                 for n in looped if results["models"][n]["head_iterations"]
+                 for h, hist in results["models"][n]["head_iterations"].items()]
+    text += "\n" + table(["model", "head", "mean iterations", "max"], hist_rows,
+                         "iterations per head at the query position, K = 4 (histograms in the JSON)")
     ent = fp["entropy"]
     show = [i for i in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40) if i <= len(ent)]
     text += "\n" + table(["model"] + [f"iter {i}" for i in show],

@@ -1,4 +1,4 @@
-"""All four layer types on language: the bundled corpus (SOTU + python3.11-doc, 8000-piece BPE), the
+"""Every layer type on language (epsilon too): the bundled corpus (SOTU + python3.11-doc, 8000-piece BPE), the
 shipped tiny configs (d 128, 300 steps x 16 x 128 tokens, one process), at about equal parameters
 and equal tokens. Per stack: validation perplexity at step 300, executed and nominal training FLOPs
 per token, median solver iterations in validation, wall time; and, for every stack with a looped
@@ -30,6 +30,7 @@ STACKS = {     # name -> (config, overrides)
                                                           "solver.max_iter=1", "solver.eval_max_iter=1"]),
     "mixed": ("tiny_mixed", []),
     "mixed, looped a1 = 0.75": ("tiny_mixed", ["model.layers.3.a1_init=0.75"]),
+    "epsilon": ("tiny_epsilon", []),      # seed 003 in the same prelude / coda stack (1.63M parameters)
 }
 DEPTHS = [1, 2, 4, 8, 16, 32]
 SHORT = {"mamba (mixer none, 1 iteration)": "mamba", "mixed, looped a1 = 0.75": "mixed_a075"}

@@ -15,6 +15,7 @@ from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
 from fpscale.models.fpmamba2 import FPMamba2Spec
 from fpscale.models.fpsa import FPSASpec
+from fpscale.models.fpsa_lh import FPSALHSpec
 from fpscale.models.looped import LoopedCoreSpec
 from fpscale.models.registry import LayerSpec, register_layer
 
@@ -25,6 +26,7 @@ register_layer(FPMambaSpec)
 register_layer(LoopedCoreSpec)
 register_layer(EpsilonSpec)
 register_layer(FPMamba2Spec)
+register_layer(FPSALHSpec)
 
 @dataclass
 class IterationCap:

@@ -5,6 +5,10 @@ implicit  one differentiable application fz = f(z*) is recorded; a hook on fz re
           by the same damped iteration as the forward. Autograd then carries u through
           f's graph: dL/dtheta = (df/dtheta)^T u, dL/dx = (df/dx)^T u. Memory: one f.
           Tokens that did not converge are masked out of the adjoint (seed 000, App. D).
+          With ``backward_freeze`` the adjoint solve applies the selective update: an entry of u
+          whose own residual fell below backward_tol is frozen (seed 000, App. C.3: "The same
+          selective update rule and convergence criteria (tol, max_iter) are applied to the
+          adjoint solve"); per token, or per (token, head) where the state is laid out so (fpsa).
 phantom   k differentiable applications of f starting at the detached z* (seed 004, Prop. 1).
 jfb       phantom with k = 1.
 unroll    handled by the solver: autograd through every forward iteration.
@@ -40,7 +44,8 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     # the adjoint tests its current residual whatever the forward's ``stop_residual``: a best-so-far
     # test could end it on an adjoint that has since moved away
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
-                                      stop_quantile=0.0, freeze_converged=False, stop_residual="current")
+                                      stop_quantile=0.0, freeze_converged=cfg.backward_freeze,
+                                      stop_residual="current")
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask

@@ -50,6 +50,10 @@ class SolverConfig:
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
+      backward_freeze    implicit: the selective update in the adjoint solve: an adjoint entry (token,
+                         or fpsa's (token, head)) whose residual fell below backward_tol is frozen,
+                         as the forward's ``freeze_converged`` freezes (seed 000, App. C.3). Off: the
+                         adjoint updates every entry until it stops
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
                          tol 0 (a fixed depth: none converges) only non-finite samples are masked
     Speed:
@@ -82,6 +86,7 @@ class SolverConfig:
     phantom_steps: int = 4
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
+    backward_freeze: bool = False
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False

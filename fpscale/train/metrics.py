@@ -72,6 +72,10 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
             "converged_fraction": float(np.mean([r["converged_fraction"] for r in rows])),
             "eta": float(np.mean([r["eta"] for r in rows])),
         })
+        if "entry_iterations_mean" in rows[-1]:     # fpsa with freezing: iterations per entry, per head
+            out[name]["entry_iters_mean"] = float(np.mean([r["entry_iterations_mean"] for r in rows]))
+            for head in rows[-1].get("head_iterations", {}):
+                out[name][f"head_iters_{head}"] = float(np.mean([r["head_iterations"][head] for r in rows]))
         if "backward_iterations" in rows[-1]:
             out[name]["backward_iters_mean"] = float(np.mean([r.get("backward_iterations", 0) for r in rows]))
         if "windows" in rows[-1]:           # deep supervision: supervised windows per forward, their length
@@ -83,7 +87,7 @@ def summarize_layers(history: dict[str, list[dict]]) -> dict[str, dict]:
 def summarize_halting(rows: list[dict]) -> dict:
     """A halting layer's interval: the means of its per-forward expected depth (mean, p50, p90),
     KL and bin entropy, and the fraction of tokens halted by each step (``halted_by_step_{t}``)."""
-    keys = ("depth_mean", "depth_p50", "depth_p90", "halt_step_mean", "kl", "bin_entropy")
+    keys = ("depth_mean", "depth_p50", "depth_p90", "halt_step_mean", "kl", "ponder", "bin_entropy")
     out = {key: float(np.mean([r[key] for r in rows])) for key in keys if key in rows[-1]}
     for t, frac in enumerate(np.mean([r["halted_by_step"] for r in rows], axis=0), start=1):
         out[f"halted_by_step_{t}"] = float(frac)

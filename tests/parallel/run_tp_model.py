@@ -27,7 +27,12 @@ CASES = {
     "attn": ["model.layers.0.type=attn"],
     "fpsa-implicit": ["model.layers.0.type=fpsa", "solver.backward=implicit", "solver.backward_tol=1e-8",
                       "solver.backward_max_iter=60"],
+    "fpsa-heads-freeze-implicit": ["model.layers.0.type=fpsa", "model.layers.0.halting=head",
+                                   "solver.freeze_converged=true", "solver.backward_freeze=true",
+                                   "solver.backward=implicit", "solver.backward_tol=1e-8",
+                                   "solver.backward_max_iter=60"],
     "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.backward=unroll", "solver.anderson=3"],
+    "fpsa_lh": ["model.layers.0.type=fpsa_lh", "model.layers.0.max_steps=4", "model.layers.0.ponder_cost=0.1"],
     "fpmamba-householder-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4",
                                      "solver.backward=implicit", "solver.backward_tol=1e-6",
                                      "solver.backward_max_iter=60", "solver.tol=1e-3"],
@@ -110,6 +115,11 @@ def check_case(name, overrides, state, tokens, targets):
     assert mine == ref, (name, mine, ref)
     if "deep-supervision" in name:     # the case supervises windows
         assert ref["layers.1.looped"][2] > 0, ref
+    for k, s in split.layer_stats().items():     # fpsa halting: head: a head's iterations where it lives
+        if getattr(s, "head_offset", None) is not None and s.entry_iterations is not None:
+            heads, whole_heads = s.to_dict()["head_iterations"], whole.layer_stats()[k].to_dict()["head_iterations"]
+            assert len(heads) == len(whole_heads) // state.tp_size, (name, heads)
+            assert all(whole_heads[h] == v for h, v in heads.items()), (name, heads, whole_heads)
 
 
 def main(out):

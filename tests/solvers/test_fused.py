@@ -36,6 +36,8 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="a kernel test: run und
                                                          "test_the_fused_bookkeeping_under_the_interpreter")
 # every tiny config with a fixed-point solve (tiny_attn has none; tiny_epsilon halts by its own rule)
 TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml") if p.stem not in ("tiny_attn", "tiny_epsilon"))
+# tiny_fpsa judged per (token, head) (its state [B, T * H, d_h]), freezing in the adjoint too
+VARIANTS = {"tiny_fpsa_heads": ("tiny_fpsa", ["model.layers.1.halting=head", "solver.backward_freeze=true"])}
 
 
 def triton_or_skip() -> None:
@@ -192,7 +194,7 @@ def test_kernel_agree_dp_commits_the_groups_decision_as_the_pytorch_loop(bad_at)
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY + list(VARIANTS))
 def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
     """Each tiny config (its own solver settings), one training step (the forward solve and, for the
     implicit backward, the adjoint solve, both fused) and an evaluation: the loss, every gradient
@@ -200,8 +202,9 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
     tokens = token_batches(64, n=1, batch=4, seq=17, seed=3)[0]
     runs = []
     for mode in ("torch", "fused"):
-        cfg = fpscale.load_config(ROOT / "configs" / f"{name}.yaml",
-                                  ["model.vocab_size=64", f"solver.bookkeeping={mode}"])
+        config, extra = VARIANTS.get(name, (name, []))
+        cfg = fpscale.load_config(ROOT / "configs" / f"{config}.yaml",
+                                  ["model.vocab_size=64", f"solver.bookkeeping={mode}", *extra])
         torch.manual_seed(0)
         model = fpscale.build_model(cfg).to(dtype)
         model.train()
