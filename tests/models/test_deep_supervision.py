@@ -170,3 +170,16 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"model.layers.2.deep_supervision.window.*model.layers.1"):
         fpscale.load_config(None, ["model.layers=[{type: attn}, {type: looped, deep_supervision: {window: 2}}, "
                                    "{type: looped, deep_supervision: {window: 2}}]"])
+
+
+def test_zero3_over_several_dp_ranks_needs_the_stop_agreed_over_dp():
+    """Each window gathers the coda's parameters over DP under ZeRO-3: the Trainer refuses rank-wise stops."""
+    from fpscale.train.trainer import check_deep_supervision
+    over = ["model.layers=[{type: attn}, {type: looped, deep_supervision: {window: 2}}, {type: attn}]",
+            "parallel.zero_stage=3"]
+    cfg = fpscale.load_config(None, over)
+    check_deep_supervision(cfg, 1)                      # one DP rank: nothing to agree
+    with pytest.raises(ConfigError, match=r"solver.agree.*must be dp.*ZeRO-3 with 2 data-parallel ranks"):
+        check_deep_supervision(cfg, 2)
+    check_deep_supervision(fpscale.load_config(None, over + ["solver.agree=dp"]), 2)
+    check_deep_supervision(fpscale.load_config(None, over[:1] + ["parallel.zero_stage=2"]), 2)
