@@ -55,6 +55,7 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.host_reads import _ACTIVE as COUNTING
 from fpscale.solvers.host_reads import opaque_kernel, tensor_bytes
+from fpscale.solvers.loop_state import IterateResult, check_step_output, state_dtype
 
 FUSED_ERROR: Exception | None = None
 try:
@@ -249,7 +250,6 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
     """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
     its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
     of samples that may stay unconverged (``quantile_limit``)."""
-    from fpscale.solvers.iterate import IterateResult, check_step_output, state_dtype
     dtype = state_dtype(z0.dtype)
     z = z0.detach().to(dtype).contiguous()
     B, T = z.shape[:2]

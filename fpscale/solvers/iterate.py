@@ -47,6 +47,7 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
 from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
+from fpscale.solvers.loop_state import Carry, IterateResult, check_step_output, state_dtype
 from fpscale.solvers.stop_rule import stop_residual
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
@@ -64,11 +65,6 @@ class Agree(Protocol):
 # A state reduction completes per-token partial norms when the iterate itself is split over a
 # process group (tensor-parallel channels): (tensor, "sum" | "max") -> the group's total.
 StateReduce = Callable[[torch.Tensor, str], torch.Tensor]
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the solver keeps its iterate, residuals and damping in: float64 stays, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def token_residual(new: torch.Tensor, old: torch.Tensor, norm: str, eps: float,
@@ -182,29 +178,6 @@ class StopDecision:
         return cls(int(n), bool(met), bool(stuck), bool(bad)), int(k)
 
 
-@dataclass
-class Carry:
-    """Algorithm 1's per-sample state where one call of ``iterate`` ends and the next goes on with
-    the same solve (deep supervision's windows, fpscale.models.deep_supervision): damping, best
-    residual, patience left, frozen tokens and the residuals they keep."""
-    eta: torch.Tensor             # [B]
-    best: torch.Tensor            # [B]
-    patience_left: torch.Tensor   # [B] long
-    frozen: torch.Tensor          # [B, T] bool
-    token_res: torch.Tensor       # [B, T]
-
-
-@dataclass
-class IterateResult:
-    z: torch.Tensor               # the last iterate, in the solver's state dtype
-    iterations: int
-    stopped_by: str
-    token_res: torch.Tensor       # [B, T] residual of the last evaluated step
-    token_converged: torch.Tensor  # [B, T] bool
-    eta: torch.Tensor             # [B] damping per sample when the solve ended
-    carry: Carry | None = None    # the state a next call goes on from (the PyTorch loops)
-
-
 def quantile_limit(quantile: float, batch: int) -> int:
     """How many of ``batch`` samples may stay unconverged when the solve stops: floor(p * B)."""
     return math.floor(quantile * batch + 1e-9)
@@ -302,13 +275,6 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta,
                          carry=Carry(eta, best, patience_left, frozen, token_res))
-
-
-def check_step_output(fz, z: torch.Tensor) -> None:
-    """f(z) must be a tensor shaped like z (checked at the first iteration)."""
-    if not isinstance(fz, torch.Tensor) or fz.shape != z.shape:
-        got = tuple(fz.shape) if isinstance(fz, torch.Tensor) else type(fz).__name__
-        raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
 
 
 def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
