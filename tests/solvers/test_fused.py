@@ -60,6 +60,7 @@ def run_child(marker: str) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, out
 
 
+@pytest.mark.slow
 def test_the_fused_bookkeeping_under_the_interpreter():
     run_child("not slow")
 
@@ -289,6 +290,7 @@ def test_fused_where_it_cannot_run_is_an_error_and_auto_on_cpu_is_the_pytorch_lo
     assert not any(op.startswith("triton.") for op in ops.by_op), ops.by_op
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED, reason="compiles the real kernels (the interpreter replaces them)")
 def test_the_kernels_compile_for_an_a100(tmp_path, monkeypatch):
     """The interpreter runs the kernels' Python, not Triton's compiler: every kernel, as launched (each
