@@ -72,6 +72,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if AVAILABLE:
     @triton.jit
+    def _columns(z_ptr, f_ptr, base, rmask, c0, D, BLOCK_D: tl.constexpr):
+        """A [rows, BLOCK_D] block of z and of f(z) (cast to z's dtype) from column c0, its mask and offsets."""
+        cols = c0 + tl.arange(0, BLOCK_D)
+        m = rmask[:, None] & (cols[None, :] < D)
+        off = base[:, None] + cols[None, :]
+        z = tl.load(z_ptr + off, mask=m, other=0.0)
+        f = tl.load(f_ptr + off, mask=m, other=0.0).to(z.dtype)
+        return z, f, m, off
+
+    @triton.jit
     def _norms(z_ptr, f_ptr, part_ptr, N, D, L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < N
@@ -80,11 +90,7 @@ if AVAILABLE:
         acc_r = tl.zeros([BLOCK_R], dtype=z_ptr.dtype.element_ty)
         nan = tl.zeros([BLOCK_R], dtype=tl.int32)
         for c0 in range(0, D, BLOCK_D):
-            cols = c0 + tl.arange(0, BLOCK_D)
-            m = rmask[:, None] & (cols[None, :] < D)
-            off = base[:, None] + cols[None, :]
-            z = tl.load(z_ptr + off, mask=m, other=0.0)
-            f = tl.load(f_ptr + off, mask=m, other=0.0).to(z.dtype)
+            z, f, m, off = _columns(z_ptr, f_ptr, base, rmask, c0, D, BLOCK_D)
             d = f - z
             if L2:
                 acc_d += tl.sum(d * d, axis=1)
@@ -212,11 +218,7 @@ if AVAILABLE:
         if FREEZE:
             hold = hold | frozen
         for c0 in range(0, D, BLOCK_D):
-            cols = c0 + tl.arange(0, BLOCK_D)
-            m = rmask[:, None] & (cols[None, :] < D)
-            off = base[:, None] + cols[None, :]
-            z = tl.load(z_ptr + off, mask=m, other=0.0)
-            f = tl.load(f_ptr + off, mask=m, other=0.0).to(z.dtype)
+            z, f, m, off = _columns(z_ptr, f_ptr, base, rmask, c0, D, BLOCK_D)
             step = eta * f + (1 - eta) * z
             tl.store(out_ptr + off, tl.where(hold[:, None], z, step), mask=m)
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
