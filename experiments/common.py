@@ -224,10 +224,12 @@ def small_model(vocab: int, d_model: int, layers: list[dict], solver: dict | Non
 
 
 def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 50, weight_decay: float = 0.01,
-                  grad_clip: float = 1.0, log_every: int = 100, label: str = "") -> list[tuple[int, float]]:
+                  grad_clip: float = 1.0, log_every: int = 100, label: str = "", min_lr: float | None = None,
+                  on_log: Callable[[int], bool] | None = None) -> list[tuple[int, float]]:
     """Train on ``task.examples`` (sample indices step*batch ...): AdamW (fpscale.train.optim), linear
-    warm-up then cosine to lr/10 (fpscale.train.schedule), the randomised caps drawn per step
-    (model.set_step). Returns [(step, loss)]."""
+    warm-up then cosine to ``min_lr`` (lr/10 unless given; ``min_lr=lr``: constant), the randomised
+    caps drawn per step (model.set_step). ``on_log(step)`` runs at every log step; True stops training
+    there. Returns [(step, loss)]."""
     from fpscale.train.optim import AdamW
     from fpscale.train.schedule import lr_at
     from fpscale.train.trainer import param_groups
@@ -238,7 +240,7 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
     for step in range(steps):
         model.set_step(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr, lr / 10, warmup, steps)
+            g["lr"] = lr_at(step, lr, lr / 10 if min_lr is None else min_lr, warmup, steps)
         inputs, targets = task.examples(range(step * batch, (step + 1) * batch))
         loss = model(inputs, targets=targets)
         loss.backward()
@@ -254,6 +256,8 @@ def train_aligned(model, task, steps: int, batch: int, lr: float, warmup: int = 
             print(f"  {label} step {step + 1}/{steps} loss {curve[-1][1]:.4f} iters {iters} "
                   f"{time.perf_counter() - t0:.0f}s", flush=True)
             window = []
+            if on_log is not None and on_log(step + 1):
+                break
     return curve
 
 

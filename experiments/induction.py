@@ -1,23 +1,33 @@
 """Seed 000 (FPSA), Sec. 3.1 and Fig. 2, scaled down: randomised induction with distractors (RID).
 Each sequence holds a true pair (A, B) in its first half, K distractor pairs (A, D) with D != B after
-it, and ends with the query A, MASK; the model must output B at MASK. Models at d = 64, 4 heads:
-  FPSA 1 layer (fpscale's fpsa block, the tiny_fpsa solver settings), judged per token (``halting: token``)
-  and per token and head (``halting: head``, the paper's App. C.2, freezing in the adjoint too)
-  FPSA-LH 1 layer (``fpsa_lh``: learned per-(token, head) halting, Sec. 4.5 / App. F, 12 steps at most)
-  attention 1 layer, attention 2 layers
-trained on K in {0..4} at length 64; tested on K = 0 .. 24 (Fig. 2b), and the mean attention entropy
-of the query position against the FPSA iteration (Fig. 2a; the attention layers' single pass beside it),
-and per head the histogram of the iterations each head ran at the query position (K = 4).
+it, and ends with the query A, MASK; the model must output B at MASK. Two stages:
 
-    PYTHONPATH=. python experiments/induction.py            # full: ~12 min on 2 cores
-    PYTHONPATH=. python experiments/induction.py --quick    # seconds: pipeline check
+1. The budget (``--stage budget``): attention 2L, the paper's minimal depth for induction, trains on the
+   plain task (K = 0) at a constant learning rate, evaluated every 250 steps on 512 held-out sequences;
+   the budget is the first step at 90% accuracy (``--max-steps`` caps it). ``--reference also`` (``only``) trains a
+   plain torch.nn.TransformerEncoder of the same shape the same way: is a slow start fpscale's or the task's?
+2. The sweep (``--stage sweep``, at the budget found or ``--budget N``): at d = 64, 4 heads,
+     FPSA 1 layer (fpscale's fpsa block, the tiny_fpsa solver settings), judged per token (``halting: token``)
+     and per token and head (``halting: head``, the paper's App. C.2, freezing in the adjoint too)
+     FPSA-LH 1 layer (``fpsa_lh``: learned per-(token, head) halting, Sec. 4.5 / App. F, 12 steps at most)
+     attention 1 layer, attention 2 layers
+   trained on K in {0..4} at the same constant rate; tested on K = 0 .. 24 (Fig. 2b), and the mean
+   attention entropy of the query position against the FPSA iteration (Fig. 2a; the attention layers'
+   single pass beside it), and per head the histogram of the iterations each head ran at the query
+   position (K = 4).
+
+    PYTHONPATH=. python experiments/induction.py --stage budget [--reference also] [--max-steps N]
+    PYTHONPATH=. python experiments/induction.py --stage sweep --budget N
+    PYTHONPATH=. python experiments/induction.py             # both: the sweep at the budget found
+    PYTHONPATH=. python experiments/induction.py --quick     # seconds: pipeline check
 
 Scale-down (README): d 256 -> 64, FFN 1024 -> 171 (SwiGLU 8/3), length 32-256 -> 64, K <= 100 -> K <= 24,
 FPSA tolerance 1e-4 with 100 iterations -> the shipped 2e-2 with 20 in training and 40 in evaluation (the
-entropy probe iterates 40 times at tolerance 0).
+entropy probe iterates 40 times at tolerance 0). The paper states no training budget.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -26,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table  # noqa: E402
+from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask  # noqa: E402
 
 D, VOCAB, LENGTH = 64, 32, 64
@@ -122,12 +132,106 @@ def entropy_by_iteration(model, name: str, task, n: int, iters: int) -> list[flo
     return probe.calls[-1:]           # the last layer's single pass
 
 
+LEARNED, EVAL_EVERY = 0.9, 250     # "learns the plain task": held-out accuracy at K = 0, checked every 250 steps
+
+
+class TorchReference(torch.nn.Module):
+    """A plain torch.nn.TransformerEncoder (pre-norm, GELU MLP 4d, learned positions, causal) of the
+    attention 2L shape, with the few methods the training and evaluation helpers call."""
+
+    def __init__(self, n_layers: int = 2, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.pos = torch.nn.Embedding(VOCAB, D), torch.nn.Embedding(LENGTH, D)
+        layer = torch.nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm, self.out = torch.nn.LayerNorm(D), torch.nn.Linear(D, VOCAB)
+        self.last_losses: dict = {}
+
+    def forward(self, inputs, targets=None):
+        T = inputs.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(T)
+        logits = self.out(self.norm(self.encoder(self.embed(inputs) + self.pos(torch.arange(T)), mask=mask,
+                                                 is_causal=True)))
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def set_step(self, step):
+        pass
+
+    def solver_stats(self):
+        return {}
+
+    def layer_stats(self):
+        return {}
+
+    def eval_depth(self, depth):
+        return contextlib.nullcontext()
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+def find_budget(args, batch: int, lr: float, max_steps: int, n_eval: int, eval_every: int) -> dict:
+    """Attention 2L (and with ``--reference`` the torch.nn one) on the plain task at a constant rate
+    after warm-up: the first step whose held-out accuracy reaches LEARNED, or None within max_steps."""
+    runs = {"attention 2L": lambda: small_model(VOCAB, D, MODELS["attention 2L"], FPSA_SOLVER, max_seq_len=LENGTH,
+                                                seed=0)[0], "torch.nn TransformerEncoder 2L": TorchReference}
+    runs = {n: b for n, b in runs.items() if args.reference != ("only" if n == "attention 2L" else "no")}
+    held = SyntheticTask("induction", VOCAB, LENGTH, 50_000, distractors=0)
+    out = {}
+    for name, build in runs.items():
+        model, evals = build(), []
+
+        def check(step, model=model, evals=evals):
+            evals.append((step, eval_aligned(model, held, n_eval, batch=min(n_eval, 256))["last_acc"]))
+            print(f"  {name} step {step}: held-out accuracy {evals[-1][1]:.3f}", flush=True)
+            return evals[-1][1] >= LEARNED
+
+        with Timer() as t:
+            curve = train_aligned(model, SyntheticTask("induction", VOCAB, LENGTH, 1, distractors=0), max_steps,
+                                  batch, lr, warmup=min(100, max_steps // 4 + 1), min_lr=lr, log_every=eval_every,
+                                  label=name, on_log=check)
+        learned = next((s for s, a in evals if a >= LEARNED), None)
+        out[name] = {"params": model.num_params(), "learned_at": learned, "train_s": t.s, "curve": curve,
+                     "held_out": evals, "sequences": (learned or evals[-1][0]) * batch}
+    return out
+
+
 def main():
-    args = parse_args(__doc__)
-    steps, batch, n_eval = (3, 16, 32) if args.quick else (1500, 32, 512)
+    args = parse_args(__doc__, lambda p: (
+        p.add_argument("--stage", choices=("all", "budget", "sweep"), default="all"),
+        p.add_argument("--budget", type=int, default=None, help="the sweep's steps (default: the budget found)"),
+        p.add_argument("--max-steps", type=int, default=16_000, help="the budget stage's cap"),
+        p.add_argument("--reference", choices=("no", "also", "only"), default="no",
+                       help="the budget stage also (or only) trains torch.nn's 2L")))
+    batch, n_eval, lr = (16, 32, 1e-3) if args.quick else (64, 512, 1e-3)
+    max_steps, eval_every = (3, 1) if args.quick else (args.max_steps, EVAL_EVERY)
     ks = [0, 4, 24] if args.quick else [0, 2, 4, 8, 12, 16, 24]
-    lr = 3e-3
-    from experiments.common import train_aligned
+    steps = 3 if args.quick else args.budget
+    if args.stage in ("all", "budget") and not (args.stage == "all" and args.budget):
+        with Timer() as total:
+            found = find_budget(args, batch, lr, max_steps, n_eval, eval_every)
+        marks = [s for s, _ in next(iter(found.values()))["held_out"]][::max(1, 2000 // eval_every)]
+        text = table(["model", "params", "learned at step", "sequences seen"] +
+                     [f"acc@{m}" for m in marks] + ["train s"],
+                     [[n, r["params"], r["learned_at"] or f"not by {r['held_out'][-1][0]}", r["sequences"]] +
+                      [dict(r["held_out"]).get(m, "") for m in marks] + [round(r["train_s"])]
+                      for n, r in found.items()],
+                     f"the budget: plain induction (K = 0, length {LENGTH}), batch {batch}, lr {lr} constant; "
+                     f"learned = {LEARNED:.0%} held-out accuracy")
+        save(args, "induction_budget", {"settings": {"d_model": D, "vocab": VOCAB, "length": LENGTH, "batch": batch,
+                                                     "lr": lr, "max_steps": max_steps, "learned": LEARNED,
+                                                     "eval_every": eval_every},
+                                        "models": found, "wall_s": total.s, "table": text})
+        steps = steps or found.get("attention 2L", {}).get("learned_at") or (max_steps if args.quick else None)
+    if args.stage == "budget":
+        return
+    if not steps:
+        print(f"attention 2L did not learn the plain task within {max_steps} steps: no budget, no sweep "
+              "(raise --max-steps, or give --budget)", flush=True)
+        return
     results = {"settings": {"d_model": D, "vocab": VOCAB, "length": LENGTH, "train_k": TRAIN_K, "steps": steps,
                             "batch": batch, "lr": lr, "fpsa_solver": FPSA_SOLVER}, "models": {}}
     with Timer() as total:
@@ -135,7 +239,7 @@ def main():
             model, _ = small_model(VOCAB, D, layers, FPSA_SOLVER, max_seq_len=LENGTH, seed=0)
             with Timer() as t:
                 curve = train_aligned(model, MixedK(seed=1), steps, batch, lr, warmup=min(100, steps // 4 + 1),
-                                      log_every=max(1, steps // 6), label=name)
+                                      min_lr=lr, log_every=max(1, steps // 6), label=name)
             r = {"params": model.num_params(), "train_s": t.s, "curve": curve, "by_k": {}}
             for k in ks:
                 ev = eval_aligned(model, SyntheticTask("induction", VOCAB, LENGTH, 50_000 + k, distractors=k),
