@@ -173,6 +173,22 @@ class TorchReference(torch.nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def shortcut_accuracy(task, n: int) -> float:
+    """The accuracy of reading positions only, no induction: B sits at an odd position of the first half
+    (slot < slots // 2, as ``SyntheticTask`` places it), so guess the commonest token at those positions
+    other than the query A (ties split evenly). What a model that has not learnt induction can reach."""
+    inputs, targets = task.examples(range(n))
+    T = inputs.shape[1]
+    first = ((T - 2) // 2) // 2                      # the true pair's slots: 0 .. first - 1
+    total = 0.0
+    for seq, target in zip(inputs, targets[:, -1]):
+        counts = torch.bincount(seq[1:2 * first:2], minlength=VOCAB)
+        counts[seq[-2]] = 0
+        best = (counts == counts.max()).nonzero().flatten()
+        total += float((best == target).any()) / len(best)
+    return total / n
+
+
 def find_budget(args, batch: int, lr: float, max_steps: int, n_eval: int, eval_every: int) -> dict:
     """Attention 2L (and with ``--reference`` the torch.nn one) on the plain task at a constant rate
     after warm-up: the first step whose held-out accuracy reaches LEARNED, or None within max_steps."""
@@ -214,17 +230,20 @@ def main():
         with Timer() as total:
             found = find_budget(args, batch, lr, max_steps, n_eval, eval_every)
         marks = [s for s, _ in next(iter(found.values()))["held_out"]][::max(1, 2000 // eval_every)]
+        shortcut = shortcut_accuracy(SyntheticTask("induction", VOCAB, LENGTH, 50_000, distractors=0), n_eval)
         text = table(["model", "params", "learned at step", "sequences seen"] +
                      [f"acc@{m}" for m in marks] + ["train s"],
                      [[n, r["params"], r["learned_at"] or f"not by {r['held_out'][-1][0]}", r["sequences"]] +
                       [dict(r["held_out"]).get(m, "") for m in marks] + [round(r["train_s"])]
-                      for n, r in found.items()],
+                      for n, r in found.items()] +
+                     [["position shortcut (no model)", 0, "-", "-"] + [shortcut] * len(marks) + [0]],
                      f"the budget: plain induction (K = 0, length {LENGTH}), batch {batch}, lr {lr} constant; "
                      f"learned = {LEARNED:.0%} held-out accuracy")
         save(args, "induction_budget", {"settings": {"d_model": D, "vocab": VOCAB, "length": LENGTH, "batch": batch,
                                                      "lr": lr, "max_steps": max_steps, "learned": LEARNED,
                                                      "eval_every": eval_every},
-                                        "models": found, "wall_s": total.s, "table": text})
+                                        "models": found, "shortcut_acc": shortcut, "wall_s": total.s,
+                                        "table": text})
         steps = steps or found.get("attention 2L", {}).get("learned_at") or (max_steps if args.quick else None)
     if args.stage == "budget":
         return
