@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_saved_bytes_per_block_and_mode(tmp_path):
     out = tmp_path / "checkpointing.json"
     cmd = [sys.executable, "bench/checkpointing.py", "--device", "cpu", "--d", "32", "--heads", "2", "--T", "16",

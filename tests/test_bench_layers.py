@@ -32,6 +32,7 @@ def test_implicit_backward_saves_one_application_of_f(report):
         assert implicit["max_micro_batch"] > unroll["max_micro_batch"], kind
 
 
+@pytest.mark.slow
 def test_inference_flops_follow_the_iterations_taken(report, tmp_path):
     loose = {r["layer"]: r for r in report["inference_rows"]}
     assert set(loose) == {r["layer"] for r in report["layer_rows"]}

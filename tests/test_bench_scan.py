@@ -36,6 +36,7 @@ def check(report: dict) -> dict:
     return torch_row
 
 
+@pytest.mark.slow
 def test_the_bench_counts_the_pytorch_scans_launches_at_t_2048(tmp_path):
     report = bench(tmp_path / "scan.json", "--B", "1", "--d-inner", "16", "--d-state", "4", "--repeats", "1")
     assert report["geometry"] == {"B": 1, "T": 2048, "d_inner": 16, "d_state": 4}

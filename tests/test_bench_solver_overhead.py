@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_solver_overhead_bench(tmp_path):
     out = tmp_path / "solver_overhead.json"
     cmd = [sys.executable, "bench/solver_overhead.py", "--d", "32", "--T", "16", "--B", "2", "--max-iter", "8",

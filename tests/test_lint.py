@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,5 +20,6 @@ def test_ruff_is_clean():
     check("ruff", "check", ".")
 
 
+@pytest.mark.slow
 def test_mypy_is_clean_on_solvers_and_parallel():
     check("mypy")

@@ -76,6 +76,7 @@ def test_the_driver_check(torch_cuda, driver, available, ok, says):
     assert verdict == ok and says in note
 
 
+@pytest.mark.slow
 def test_the_driver_check_reads_nvidia_smi(tmp_path):
     """A stand-in nvidia-smi on PATH: one GPU, a driver for CUDA 12.4; this machine's CPU torch cannot run on it."""
     fake = tmp_path / "nvidia-smi"

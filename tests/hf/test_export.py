@@ -168,6 +168,7 @@ def test_tokenizer_gives_fpscale_ids_and_decodes_exactly(exported, tokenizer):
     assert batch["attention_mask"][:, -1].all()
 
 
+@pytest.mark.slow
 def test_the_folder_loads_where_fpscale_is_not_installed(exported):
     """A fresh interpreter in which importing fpscale fails: the folder loads, runs and generates."""
     _, folder = exported("tiny_mixed_epsilon")

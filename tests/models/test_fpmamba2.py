@@ -240,6 +240,7 @@ def test_kernel_triton_path_equals_the_pytorch_scan():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (name, float((a - b).abs().max()))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted kernel test")
 def test_the_triton_path_under_the_interpreter():
     if importlib.util.find_spec("triton") is None:

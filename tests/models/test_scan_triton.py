@@ -54,6 +54,7 @@ def run_child(marker: str) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, out
 
 
+@pytest.mark.slow
 def test_the_triton_scan_under_the_interpreter():
     run_child("not slow")
 

@@ -56,6 +56,7 @@ def tensorboard_scalars(run_dir) -> dict[int, dict[str, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_a_blend_trains_logs_to_wandb_and_exports_its_tokenizer(tmp_path, hf_prepared, megatron_hf, monkeypatch):  # noqa: F811
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

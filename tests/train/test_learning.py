@@ -15,6 +15,7 @@ SOLVERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer_type", list(SOLVERS))
 def test_tiny_model_learns(layer_type, tmp_path):
     cfg = fpscale.load_config(None, [

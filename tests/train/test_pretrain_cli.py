@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import fpscale
@@ -14,6 +15,7 @@ OVERRIDES = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=16", 
              "train.eval_batches=2", "train.micro_batch=4", "train.global_batch=4"]
 
 
+@pytest.mark.slow
 def test_pretrain_cli_writes_run_directory(tmp_path):
     cmd = [sys.executable, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *OVERRIDES,
            f"train.out_dir={tmp_path}", "name=cli"]
