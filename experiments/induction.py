@@ -222,6 +222,8 @@ def main():
         p.add_argument("--max-steps", type=int, default=16_000, help="the budget stage's cap"),
         p.add_argument("--reference", choices=("no", "also", "only"), default="no",
                        help="the budget stage also (or only) trains torch.nn's 2L")))
+    if args.stage == "sweep" and not (args.budget or args.quick):
+        raise SystemExit("--stage sweep needs --budget N (the steps to train each model)")
     batch, n_eval, lr = (16, 32, 1e-3) if args.quick else (64, 512, 1e-3)
     max_steps, eval_every = (3, 1) if args.quick else (args.max_steps, EVAL_EVERY)
     ks = [0, 4, 24] if args.quick else [0, 2, 4, 8, 12, 16, 24]
