@@ -25,6 +25,7 @@ import torch
 
 from fpscale.models import kernels, scan_kernels, scan_triton
 from fpscale.models.scan import reference_selective_scan, selective_scan
+from tests.interpreter import run_kernel_tests_interpreted
 from tests.models.test_scan import inputs as float64_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,14 +45,7 @@ def run_child(marker: str) -> None:
     """This file's kernel tests (``test_kernel_*``, those matching ``marker``) in a child under the
     interpreter: all of them must run and pass."""
     triton_or_skip()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
-           "-k", "test_kernel_", str(Path(__file__).relative_to(ROOT))]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    print(out)
-    assert proc.returncode == 0, out
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, out
+    run_kernel_tests_interpreted(__file__, marker)
 
 
 @pytest.mark.slow

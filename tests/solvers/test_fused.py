@@ -14,8 +14,6 @@ kernel tests (``test_kernel_*``) run in a child pytest process with ``TRITON_INT
 """
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from fpscale.solvers import SolverConfig, fused
 from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
 from fpscale.solvers.iterate import iterate
 from fpscale.typed import from_dict
+from tests.interpreter import run_kernel_tests_interpreted
 from tests.models.helpers import token_batches
 from tests.parallel.launch import torchrun
 
@@ -50,14 +49,7 @@ def triton_or_skip() -> None:
 def run_child(marker: str) -> None:
     """This file's kernel tests matching ``marker`` in a child under the interpreter: all must run and pass."""
     triton_or_skip()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker, "-k", "test_kernel_",
-           str(Path(__file__).relative_to(ROOT))]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    print(out)
-    assert proc.returncode == 0, out
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, out
+    run_kernel_tests_interpreted(__file__, marker)
 
 
 @pytest.mark.slow
