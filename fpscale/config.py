@@ -84,7 +84,7 @@ class Config:
         if self.train.precision != "bf16":
             return out
         floor = residual_floor(torch.bfloat16)
-        for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
+        for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):   # neumann1: no tol
             if unreachable(getattr(solver, name), torch.bfloat16):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")

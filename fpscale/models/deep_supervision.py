@@ -83,7 +83,7 @@ def fresh_carry(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
 def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:
     """The tolerances the dtype the map computes in can reach (as ``fpscale.solvers.solve`` does)."""
     dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
-    implicit = cfg.backward == "implicit"
+    implicit = cfg.backward in ("implicit", "neumann1")
     return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
         resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
 
@@ -112,7 +112,7 @@ def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
     reduce = layer.shards.state_reduce if layer.state_sharded else None
     agree = layer.dp_agree if cfg.agree == "dp" else None
     if isinstance(plan, Final):
-        if cfg.backward == "implicit":
+        if cfg.backward in ("implicit", "neumann1"):
             return attach_implicit(f, plan.z, cfg, plan.stats, layer.shards.consensus, reduce, agree)
         return phantom(f, plan.z, 1 if cfg.backward == "jfb" else cfg.phantom_steps)
     start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))

@@ -64,7 +64,7 @@ class FixedPointLayer(LoopedLayer):
         if name not in cache:
             cache[name] = torch.compile(step, dynamic=False)
         compiled = cache[name]
-        if self.solver.backward != "implicit":
+        if self.solver.backward not in ("implicit", "neumann1"):
             return compiled
 
         def no_grad_compiled(*args, **kwargs):

@@ -7,7 +7,8 @@ from typing import Literal
 
 from fpscale.errors import check
 
-BackwardMode = Literal["implicit", "phantom", "jfb", "unroll"]
+BackwardMode = Literal["implicit", "neumann1", "phantom", "jfb", "unroll"]
+IMPLICIT_MODES = ("implicit", "neumann1")       # the modes with an adjoint at z* (one f under grad)
 
 
 @dataclass
@@ -20,7 +21,14 @@ class SolverConfig:
                          with more iterations than they train with (FPRM: 256 vs 128)
       tol                a sample is converged when the relative residual of each of its tokens
                          is below tol (raised to what the map's dtype resolves: solvers.precision)
-      norm               ``inf`` (default) or ``l2`` relative residual per token
+      norm               ``inf`` (default) or ``l2`` relative residual per token, or ``sample_l2``: one
+                         residual per sample, ||f(z) - z||_2 / ||z||_2 over the whole sample (every
+                         token and channel), in float32 against the previous iterate z, as
+                         jacobfa/Attractor does (attractor/models/attractor/solvers.py:4-9);
+                         fpscale.solvers.sample_residual
+      min_iter           no convergence (quantile) stop before this many applications of f (the
+                         non-finite stop still applies); clipped to the cap, as Attractor does
+                         (attractor.py:340)
       stop_quantile      p: in training, stop once at most floor(p * B) of the B samples of the
                          micro-batch are unconverged (75% converged at the seeds' p = 0.25);
                          evaluation always uses p = 0 (every sample converged). p * B < 1 is the
@@ -35,6 +43,11 @@ class SolverConfig:
       freeze_converged   per-token selective update (FPSA): a converged token is frozen
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
+      anderson_variant   fpscale (default: lambda relative to the Gram's mean diagonal, the mixing
+                         solved in float64, the mixed iterate returned) or attractor: jacobfa/Attractor's
+                         (attractor/models/attractor/solvers.py:38-122): lambda absolute, the mixing
+                         solved in float32, two plain steps before any mixing or stop test, the last
+                         f(z) returned (fpscale.solvers.anderson)
       agree              rank (default) | dp: in training, each data-parallel rank stops its solves on
                          its own micro-batch (every optimizer step waits for the slowest rank), or
                          the stop decision (quantile, stall, non-finite) is taken over the DP group's
@@ -46,10 +59,13 @@ class SolverConfig:
                          every iteration. With no stop rule that can fire (tol 0, no eta_min stop
                          within the cap) the solve reads once, at its end, whatever N
     Backward (docs/solver.md, "Backward modes"):
-      backward           implicit | phantom | jfb | unroll
+      backward           implicit | neumann1 | phantom | jfb | unroll. neumann1: the adjoint is one
+                         Neumann term, u = g + J^T g, with no masking, no damping and no tolerance
+                         (Attractor's ``onestep``, attractor.py:65-70)
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
+      backward_min_iter  min_iter of the adjoint solve (implicit only)
       backward_freeze    implicit: the selective update in the adjoint solve: an adjoint entry (token,
                          or fpsa's (token, head)) whose residual fell below backward_tol is frozen,
                          as the forward's ``freeze_converged`` freezes (seed 000, App. C.3). Off: the
@@ -69,7 +85,8 @@ class SolverConfig:
     max_iter: int = 30
     eval_max_iter: int = 0
     tol: float = 1e-2
-    norm: Literal["inf", "l2"] = "inf"
+    norm: Literal["inf", "l2", "sample_l2"] = "inf"
+    min_iter: int = 0
     stop_quantile: float = 0.25
     damping: float = 1.0
     patience: int = 5
@@ -79,6 +96,7 @@ class SolverConfig:
     freeze_converged: bool = False
     anderson: int = 0
     anderson_lambda: float = 1e-4
+    anderson_variant: Literal["fpscale", "attractor"] = "fpscale"
     eps: float = 1e-6
     check_every: int = 1
     agree: Literal["rank", "dp"] = "rank"
@@ -86,6 +104,7 @@ class SolverConfig:
     phantom_steps: int = 4
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
+    backward_min_iter: int = 0
     backward_freeze: bool = False
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
@@ -117,6 +136,16 @@ class SolverConfig:
               f"must be auto, fused or torch, got {self.bookkeeping!r}")
         check(not (self.bookkeeping == "fused" and self.anderson), key("bookkeeping"),
               f"fused has no Anderson mixing (anderson = {self.anderson}): use auto or torch, or anderson 0")
+        for name in ("min_iter", "backward_min_iter"):
+            check(getattr(self, name) >= 0, key(name), f"must be >= 0, got {getattr(self, name)}")
+        check(self.anderson_variant in ("fpscale", "attractor"), key("anderson_variant"),
+              f"must be fpscale or attractor, got {self.anderson_variant!r}")
+        check(self.anderson_variant == "fpscale" or self.anderson >= 2, key("anderson_variant"),
+              f"attractor is an Anderson variant: set anderson to its window (>= 2, Attractor uses 5), "
+              f"got anderson = {self.anderson}")
+        check(not (self.bookkeeping == "fused" and self.norm == "sample_l2"), key("bookkeeping"),
+              "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
+              "PyTorch bookkeeping: use auto or torch")
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")

@@ -247,7 +247,7 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 
 def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
-                  every: int | None, limit: int, consensus, state_reduce, max_iter: int,
+                  every: int | None, limit: int, consensus, state_reduce, max_iter: int, min_iter: int = 0,
                   real: torch.Tensor | None, agree=None):
     """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
     its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
@@ -303,7 +303,7 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
             if nonfinite:
                 stopped_by, k = "nonfinite", bad_at
                 break
-            if every is not None and (met or stalled):
+            if every is not None and k >= min_iter and (met or stalled):
                 stopped_by = "converged" if n_unconverged == 0 else "quantile" if met else "eta_min"
                 break
     token_res = token_res.view(B, T)

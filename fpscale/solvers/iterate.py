@@ -44,6 +44,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from fpscale.solvers.anderson import AttractorAnderson, min_iterations, sample_residual
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
 from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
@@ -237,15 +238,17 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     if carry is not None:
         eta, best, patience_left, frozen, token_res = (carry.eta, carry.best, carry.patience_left, carry.frozen,
                                                        carry.token_res)
-    anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
+    anderson = _make_anderson(cfg, state_reduce, max_iter)
+    min_iter = min_iterations(cfg, max_iter)
     limit = quantile_limit(quantile, B * (agree.size if agree is not None else 1))
     every = read_schedule(cfg, max_iter)
     if carry is None and fused_wanted(cfg, z0):
         return iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
-                                   state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree)
+                                   state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree,
+                                   min_iter=min_iter)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
-                                 eta, best, patience_left, frozen, token_res, anderson, agree)
+                                 eta, best, patience_left, frozen, token_res, anderson, agree, min_iter)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
@@ -268,13 +271,24 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         token_res = res.to(dtype)
         eta = next_eta
         z = z_next
-        if decision.quantile_met or decision.stalled:
+        if k >= min_iter and (decision.quantile_met or decision.stalled):
             stopped_by = ("converged" if decision.unconverged == 0 else "quantile" if decision.quantile_met
                           else "eta_min")
             break
+    if getattr(anderson, "returns_last_f", False) and stopped_by != "nonfinite" and k > 0:
+        z = fz                       # Attractor's solve returns the last f(x) (fpscale.solvers.anderson)
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta,
                          carry=Carry(eta, best, patience_left, frozen, token_res))
+
+
+def _make_anderson(cfg: SolverConfig, state_reduce, cap: int):
+    """The Anderson mixing of ``cfg`` (``anderson_variant``), or None without Anderson."""
+    if not cfg.anderson:
+        return None
+    if cfg.anderson_variant == "attractor":
+        return AttractorAnderson(cfg.anderson, cfg.anderson_lambda, state_reduce, plain_only=cap < 3)
+    return _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce)
 
 
 def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
@@ -284,6 +298,8 @@ def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
     (an error where the kernels cannot run), ``torch``: never."""
     if cfg.bookkeeping == "torch" or cfg.anderson or torch.is_grad_enabled() or z.numel() == 0:
         return False
+    if cfg.norm == "sample_l2":      # one residual per sample: the PyTorch bookkeeping (SolverConfig.validate
+        return False                 # rejects bookkeeping: fused with it, naming the key)
     if cfg.bookkeeping == "auto" and not z.is_cuda:
         return False
     if FUSED_ERROR is not None:
@@ -320,7 +336,11 @@ def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, 
         check_step_output(fz, z)
     fz = fz.to(z.dtype)
     with torch.no_grad():
-        res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
+        if cfg.norm == "sample_l2":          # one residual per sample, every token of it alike
+            res = sample_residual(fz.detach(), z.detach(), real, state_reduce).to(z.dtype)
+            res = res[:, None].expand(z.shape[:2])
+        else:
+            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
         res = torch.where(frozen, token_res, res)
         if real is not None:                  # padding converges at once and stays frozen
             res = res.masked_fill(~real, 0.0)
@@ -372,7 +392,7 @@ class _Counts:
 
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
                       max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson,
-                      agree) -> IterateResult:
+                      agree, min_iter: int = 0) -> IterateResult:
     """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
     ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
     a non-finite residual is remembered on the device and holds the state at its last finite
@@ -409,10 +429,12 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
             if decision.nonfinite:
                 stopped_by, k = "nonfinite", bad_at
                 break
-            if every is not None and (decision.quantile_met or decision.stalled):
+            if every is not None and k >= min_iter and (decision.quantile_met or decision.stalled):
                 stopped_by = ("converged" if decision.unconverged == 0 else "quantile" if decision.quantile_met
                               else "eta_min")
                 break
+    if getattr(anderson, "returns_last_f", False) and stopped_by != "nonfinite" and k > 0:
+        z = fz                       # Attractor's solve returns the last f(x) (fpscale.solvers.anderson)
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta,
                          carry=Carry(eta, best, patience_left, frozen, token_res))

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
-from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
 from fpscale.solvers.iterate import Agree, Consensus, StateReduce, iterate, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
@@ -61,7 +61,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     grad = torch.is_grad_enabled()
     cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
     # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
-    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward == "implicit", tf32_matmuls(z0)
+    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward in IMPLICIT_MODES, tf32_matmuls(z0)
     cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
         resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
     if iterate_free:
