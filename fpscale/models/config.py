@@ -10,6 +10,7 @@ from typing import Literal
 
 from fpscale.errors import check
 from fpscale.models.attn import AttnSpec
+from fpscale.models.attractor import AttractorSpec
 from fpscale.models.checkpointing import check_mode
 from fpscale.models.epsilon import EpsilonSpec
 from fpscale.models.fpmamba import FPMambaSpec
@@ -27,6 +28,7 @@ register_layer(LoopedCoreSpec)
 register_layer(EpsilonSpec)
 register_layer(FPMamba2Spec)
 register_layer(FPSALHSpec)
+register_layer(AttractorSpec)
 
 @dataclass
 class IterationCap:

@@ -1,0 +1,78 @@
+"""fpscale's ``attractor`` model with jacobfa/Attractor's weights reproduces their model's numbers
+(tests/fixtures/attractor_parity.safetensors, produced by their code at fcf045f in float64: see the
+fixture folder's README): logits and y* to 1e-6, the forward's iteration count equal, and the
+gradients of both backwards (their ``onestep`` = fpscale ``neumann1``; their Anderson adjoint =
+fpscale ``implicit`` with the attractor Anderson variant) to 1e-6 relative."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fpscale.config import config_from_dict
+from fpscale.models.attractor_weights import fpscale_config, to_fpscale, to_theirs
+from fpscale.models.lm import build_model
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "attractor_parity.safetensors")
+
+
+def load_fixture():
+    with safe_open(FIXTURE, "pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        meta = json.loads(fh.metadata()["meta"])
+    return tensors, meta
+
+
+def their_weights(tensors):
+    return {k.removeprefix("weight."): v for k, v in tensors.items() if k.startswith("weight.")}
+
+
+def build(meta, tensors, backward: str):
+    data = fpscale_config({**meta["settings"], "_class_name": "AttractorConfig", "backward_type": backward})
+    data["model"]["loss_chunk"] = 0
+    cfg = config_from_dict({**data, "data": {"seq_len": 8}})
+    model = build_model(cfg).double()
+    model.load_state_dict(to_fpscale(their_weights(tensors), meta["settings"]))
+    return model, cfg
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("backward", ["onestep", "anderson"])
+def test_attractor_matches_their_model(backward):
+    tensors, meta = load_fixture()
+    model, _ = build(meta, tensors, backward)
+    model.train()
+    seen = {}
+    head = model.layers[-1]
+    head.register_forward_hook(lambda m, args, out: seen.update(c=args[0].detach(), y=out.detach()))
+    tokens, labels = tensors["input_ids"], tensors["labels"]
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    stats = model.solver_stats()["layers.2.attractor"]
+    assert (seen["c"] - tensors[f"{backward}.c"]).abs().max() < 1e-6
+    assert (seen["y"] - tensors[f"{backward}.y_star"]).abs().max() < 1e-6
+    assert (logits - tensors[f"{backward}.logits"].double()).abs().max() < 1e-6
+    assert stats.iterations == meta[backward]["iters"]
+    if backward == "anderson":
+        assert stats.backward_iterations == meta[backward]["backward"]["iters"]
+    grads = to_theirs({n: p.grad for n, p in model.named_parameters()}, model.cfg)
+    for name, want in tensors.items():
+        if name.startswith(f"{backward}.grad."):
+            key = name.removeprefix(f"{backward}.grad.")
+            assert rel(grads[key], want) < 1e-6, (key, rel(grads[key], want))
+
+
+def test_round_trip_is_bit_exact():
+    tensors, meta = load_fixture()
+    theirs = their_weights(tensors)
+    _, cfg = build(meta, tensors, "onestep")
+    back = to_theirs(to_fpscale(theirs, meta["settings"]), cfg.model)
+    for name, t in theirs.items():
+        assert torch.equal(back[name], t), name
