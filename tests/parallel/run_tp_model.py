@@ -64,6 +64,14 @@ CASES = {
     "looped-deep-supervision-implicit": [
         "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
         "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "attractor-neumann1": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, init: scaled_zero_ortho}, {type: attractor, head_blocks: 2,"
+        " solver: {anderson: 5, anderson_variant: attractor, norm: sample_l2, patience: 0, min_iter: 4,"
+        " backward: neumann1, mask_unconverged: false, tol: 1e-4}}]"],
+    "attractor-anderson-adjoint": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true}, {type: attractor, head_blocks: 2, mlp: swiglu,"
+        " solver: {anderson: 5, anderson_variant: attractor, norm: sample_l2, patience: 0, min_iter: 4,"
+        " backward: implicit, backward_min_iter: 3, backward_tol: 1e-4, mask_unconverged: false, tol: 1e-4}}]"],
     "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",
                      "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
