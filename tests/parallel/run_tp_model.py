@@ -65,7 +65,8 @@ CASES = {
         "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
         "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
     "attractor-neumann1": [
-        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, init: scaled_zero_ortho}, {type: attractor, head_blocks: 2,"
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, init: scaled_zero_ortho},"
+        " {type: attractor, head_blocks: 2,"
         " solver: {anderson: 5, anderson_variant: attractor, norm: sample_l2, patience: 0, min_iter: 4,"
         " backward: neumann1, mask_unconverged: false, tol: 1e-4}}]"],
     "attractor-anderson-adjoint": [

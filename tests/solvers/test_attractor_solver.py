@@ -92,7 +92,9 @@ def test_sample_l2_is_the_whole_sample_residual_against_the_previous_iterate():
 @pytest.mark.parametrize("check_every", [1, 3])
 def test_min_iter_holds_the_stop_and_every_sample_must_pass(check_every):
     x = torch.randn(3, 4, 8, dtype=torch.float64)
-    constant = lambda z: x + 0 * z        # converged (residual 0) from the second application on
+
+    def constant(z):                      # converged (residual 0) from the second application on
+        return x + 0 * z
     base = dict(norm="sample_l2", stop_quantile=0.0, patience=0, tol=1e-6, max_iter=20, check_every=check_every)
     with torch.no_grad():
         _, free = solve(constant, torch.zeros_like(x), SolverConfig(**base), training=False)
@@ -100,7 +102,9 @@ def test_min_iter_holds_the_stop_and_every_sample_must_pass(check_every):
     assert free.iterations == (2 if check_every == 1 else 3)
     assert held.iterations == (7 if check_every == 1 else 9)
     (f1, x1, _), (f2, x2, _) = tanh_map((0.2,), seed=1), tanh_map((0.9,), seed=2)
-    both_f = lambda z: torch.cat([f1(z[:1]), f2(z[1:])])        # p = 0: the batch runs until its slowest passes
+
+    def both_f(z):                        # p = 0: the batch runs until its slowest sample passes
+        return torch.cat([f1(z[:1]), f2(z[1:])])
     cfg = SolverConfig(**{**base, "check_every": 1, "max_iter": 200})
     with torch.no_grad():
         _, both = solve(both_f, torch.cat([x1, x2]).detach(), cfg, training=False)
