@@ -83,9 +83,9 @@ class Config:
                                          f"= {1 / mb:.3g})")
         if self.train.precision != "bf16":
             return out
-        floor = residual_floor(torch.bfloat16)
+        floor = residual_floor(torch.bfloat16, norm=solver.norm)
         for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):   # neumann1: no tol
-            if unreachable(getattr(solver, name), torch.bfloat16):
+            if unreachable(getattr(solver, name), torch.bfloat16, norm=solver.norm):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")
                 if name in overrides:

@@ -84,8 +84,8 @@ def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:
     """The tolerances the dtype the map computes in can reach (as ``fpscale.solvers.solve`` does)."""
     dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
     implicit = cfg.backward in ("implicit", "neumann1")
-    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
 
 
 class Window:

@@ -62,8 +62,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
     # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
     dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward in IMPLICIT_MODES, tf32_matmuls(z0)
-    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
     if iterate_free:
         return apply_once(f, z0, cfg, cap, real)
     unroll = grad and cfg.backward == "unroll"
