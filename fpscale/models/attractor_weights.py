@@ -186,3 +186,69 @@ def to_theirs(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]
         for g in ("raw_gamma_attn", "raw_gamma_mlp"):
             out[f"transformer.core_block.{j}.{g}"] = sd[h + g][j]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def their_config(cfg) -> dict[str, Any]:
+    """Their ``config.json`` (``AttractorConfig`` fields + ``_class_name``) of an fpscale Config whose
+    model is attn layers then one attractor layer with their solver (``fpscale_config``'s form)."""
+    m = cfg.model
+    specs = m.expanded_layers()
+    head = specs[-1]
+    s = cfg.solver.with_overrides(head.solver, f"model.layers.{len(m.layers) - 1}.solver")
+    for key, want in (("norm", "sample_l2"), ("stop_quantile", 0.0), ("patience", 0), ("anderson_lambda", 1e-4)):
+        if getattr(s, key) != want:
+            raise UserError(f"--to attractor: solver.{key} = {getattr(s, key)!r}: Attractor's solver has {want!r}")
+    if s.anderson and s.anderson_variant != "attractor":
+        raise UserError("--to attractor: solver.anderson_variant must be attractor (their Anderson)")
+    if s.backward not in ("neumann1", "implicit") or (s.backward == "implicit" and not s.anderson):
+        raise UserError(f"--to attractor: solver.backward = {s.backward}: neumann1, or implicit with Anderson")
+    return {"_class_name": "AttractorConfig", "model_class_name": "Attractor", "name": cfg.name,
+            "block_size": m.max_seq_len, "vocab_size": m.vocab_size, "padded_vocab_size": m.vocab_size,
+            "n_embd": m.d_model, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads,
+            "intermediate_size": int(m.mlp_ratio * m.d_model), "bias": False, "tie_embeddings": True,
+            "block_class_name": "TransformerPreNormBlock", "norm_class_name": "RMSNorm", "norm_eps": m.norm_eps,
+            "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "qk_norm": bool(head.qk_norm), "logit_softcap": None,
+            "rope_settings": {"use_rope": True, "rope_condense_ratio": 1, "rope_base": m.rope_theta},
+            "n_backbone_layers": len(specs) - 1, "n_fp_blocks": head.head_blocks,
+            "solver": "anderson" if s.anderson else "fpi", "max_iter": s.max_iter, "min_iter": s.min_iter,
+            "tol": s.tol, "anderson_m": s.anderson or 5, "anderson_beta": s.damping,
+            "backward_type": "onestep" if s.backward == "neumann1" else "anderson",
+            "backward_max_iter": s.backward_max_iter, "backward_min_iter": s.backward_min_iter,
+            "backward_tol": s.backward_tol, "adjoint_grad_clip": None, "layer_scale_init": head.gate_init,
+            "gamma_max": head.gamma_max, "init_strategy": "scaled-zero", "init_orthogonal": True}
+
+
+def import_folder(folder: str, out: str, name: str | None = None) -> None:
+    """Their save_pretrained folder -> fpscale's whole weights (``out/model.safetensors`` + ``config.yaml``,
+    what ``launch/convert.py --weights`` shards and ``train.init_weights`` loads)."""
+    import yaml
+    from safetensors.torch import save_file
+
+    from fpscale.config import config_from_dict
+    from fpscale.typed import to_dict
+    sd, their = read_their_folder(folder)
+    data = fpscale_config(their)
+    data["name"] = name or str(their.get("name") or "attractor").replace("/", "_") or "attractor"
+    data["data"] = {"seq_len": data["model"]["max_seq_len"]}
+    cfg = config_from_dict(data)
+    os.makedirs(out, exist_ok=True)
+    save_file(to_fpscale(sd, their), os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.yaml"), "w") as fh:
+        yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+
+
+def export_folder(source: str, out: str) -> None:
+    """fpscale weights (a checkpoint of any layout, or exported weights) -> their folder: config.json and
+    model.pt (their ``from_pretrained`` reads model.pt) plus model.safetensors with the same tensors."""
+    from safetensors.torch import save_file
+
+    from fpscale.config import config_from_dict
+    from fpscale.train.checkpoint import whole_weights
+    weights, config = whole_weights(source)
+    cfg = config_from_dict(config)
+    sd = to_theirs(weights, cfg.model)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(their_config(cfg), fh, indent=2)
+    torch.save(sd, os.path.join(out, "model.pt"))
+    save_file({k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}, os.path.join(out, "model.safetensors"))

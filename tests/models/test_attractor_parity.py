@@ -76,3 +76,36 @@ def test_round_trip_is_bit_exact():
     back = to_theirs(to_fpscale(theirs, meta["settings"]), cfg.model)
     for name, t in theirs.items():
         assert torch.equal(back[name], t), name
+
+
+def test_convert_cli_their_folder_to_fpscale_and_back(tmp_path):
+    """launch/convert.py --from attractor (their save_pretrained folder) -> fpscale's whole weights, which
+    load and compute their logits; --to attractor writes their folder back with the same tensors."""
+    from fpscale.cli.convert import main
+    tensors, meta = load_fixture()
+    theirs = their_weights(tensors)
+    theirs["lm_head.weight"] = theirs["transformer.wte.weight"]
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    torch.save(theirs, folder / "model.pt")
+    (folder / "config.json").write_text(json.dumps({**meta["settings"], "_class_name": "AttractorConfig"}))
+    assert main(["--from", "attractor", str(folder), "--out", str(tmp_path / "fp")]) == 0
+    model = fpscale_model(tmp_path / "fp")
+    assert (model(tensors["input_ids"]) - tensors["onestep.logits"].double()).abs().max() < 1e-6
+    assert main(["--checkpoint", str(tmp_path / "fp"), "--to", "attractor", "--out", str(tmp_path / "back")]) == 0
+    back = torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+    assert back.keys() == theirs.keys()
+    assert all(torch.equal(back[k], t) for k, t in theirs.items())
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    for key in ("n_embd", "num_attention_heads", "intermediate_size", "n_backbone_layers", "n_fp_blocks", "max_iter",
+                "min_iter", "tol", "anderson_m", "anderson_beta", "backward_tol", "layer_scale_init", "gamma_max",
+                "qk_norm", "norm_eps"):
+        assert config[key] == meta["settings"][key], key
+
+
+def fpscale_model(folder):
+    from fpscale.train.checkpoint import whole_weights
+    weights, config = whole_weights(str(folder))
+    model = build_model(config_from_dict({**config, "model": {**config["model"], "loss_chunk": 0}})).double()
+    model.load_state_dict(weights)
+    return model.eval()
