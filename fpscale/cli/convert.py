@@ -52,12 +52,12 @@ def main(argv=None) -> int:
         fmt, folder = args.source
         if fmt != "attractor" or not args.out:
             ap.error("--from takes attractor DIR, with --out")
-        from fpscale.models.attractor_weights import import_folder
+        from fpscale.hf.attractor import import_folder
         import_folder(folder, args.out)
         print(f"wrote {os.path.join(args.out, 'model.safetensors')} and config.yaml from Attractor's {folder}")
         return 0
     if args.checkpoint and args.out and args.to == "attractor":
-        from fpscale.models.attractor_weights import export_folder
+        from fpscale.hf.attractor import export_folder
         export_folder(args.checkpoint, args.out)
         print(f"wrote Attractor's config.json, model.pt and model.safetensors in {args.out}")
         return 0
