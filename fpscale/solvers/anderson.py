@@ -62,17 +62,18 @@ class AttractorAnderson:
     def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
         """The next iterate after the pair (z, f(z)); ``eta`` [B] is beta, per sample."""
         B = z.shape[0]
-        if self.X is None:
+        if self.X is None or self.F is None:
             self.X = z.new_zeros(B, self.window, z[0].numel())
             self.F = z.new_zeros(B, self.window, z[0].numel())
+        ring_x, ring_f = self.X, self.F
         slot = self.count % self.window
-        self.X[:, slot] = z.reshape(B, -1)
-        self.F[:, slot] = fz.reshape(B, -1)
+        ring_x[:, slot] = z.reshape(B, -1)
+        ring_f[:, slot] = fz.reshape(B, -1)
         self.count += 1
         if self.count < PLAIN_STEPS or self.plain_only:
             return fz.clone()
         n = min(self.count, self.window)
-        X, F = self.X[:, :n], self.F[:, :n]
+        X, F = ring_x[:, :n], ring_f[:, :n]
         G = F - X
         gram = torch.bmm(G, G.transpose(1, 2))
         if self.state_reduce is not None:         # the state is split over ranks: sum the partial Gram
