@@ -11,7 +11,8 @@ COUNTED = [("attn", {}), ("fpsa", {}), ("looped", {}), ("looped", {"core_blocks"
            ("fpmamba", {}), ("fpmamba", {"mixer": "dplr", "y_feedback": False}), ("fpmamba", {"mixer": "kronecker"}),
            ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {}),
            ("fpmamba", {"preset": "authors_state_tracking", "mixer": "kronecker"}),
-           ("fpmamba", {"preset": "authors_lm"})]
+           ("fpmamba", {"preset": "authors_lm"}), ("attn", {"mlp": "relu2", "qk_norm": True}),
+           ("attractor", {}), ("attractor", {"head_blocks": 2, "mlp": "swiglu"})]
 
 
 @pytest.mark.parametrize("kind,spec", COUNTED, ids=[f"{k}-{'-'.join(map(str, s.values()))}" for k, s in COUNTED])
@@ -41,7 +42,8 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     if kind != "attn":
         assert [s.iterations for s in model.solver_stats().values()] == [k]
     declared = static + per_iter * iterations if per_iter else static
-    score_passes = {"attn": 1, "fpsa": k, "looped": k * getattr(layer, "core_blocks", 0)}.get(kind, 0)
+    score_passes = {"attn": 1, "fpsa": k, "looped": k * getattr(layer, "core_blocks", 0),
+                    "attractor": k * getattr(layer, "head_blocks", 0)}.get(kind, 0)
     not_counted = score_passes * attention_score_flops(d, T)
     if kind == "fpmamba":
         di = layer.expand * d
