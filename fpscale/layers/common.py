@@ -159,7 +159,7 @@ def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head
     tokens; ``pad`` the rows' left padding. Returns (output, k, v) with k, v covering past and
     new tokens. ``qk_norm``: q and k get a parameter-free RMSNorm over each head after RoPE (eps:
     the dtype's machine epsilon, F.rms_norm's default), as jacobfa/Attractor does
-    (attractor/modules/mixer.py:6-8, 73-74); the cache then holds normalised keys."""
+    (attractor/modules/mixer.py:13-15, 80-81); the cache then holds normalised keys."""
     q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if qk_norm:

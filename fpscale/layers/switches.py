@@ -5,7 +5,7 @@ fpscale.layers.common.self_attention. The RoPE layout needs no switch: their pai
 rotation equals fpscale's half-split one after permuting each head's q/k rows
 (fpscale.models.attractor_weights), exactly.
 
-Their init (attractor/utils/init.py:86-90 ``scaled-zero``, :72-81 the orthogonal form, GPTInit):
+Their init (attractor/utils/init.py:86-90 ``scaled-zero``, :237-281 the orthogonal form, :331 its choice):
 q, k, v and the MLP's fc trunc-orthogonal with std sqrt(2/(5d)); the output projections of the
 attention and MLP zero in the backbone; in the head the zeros are replaced by a normal of the same
 std truncated at 3 std (attractor.py:139-152); norm weights ones; the embedding trunc-orthogonal with
@@ -25,7 +25,7 @@ INITS = ("fpscale", "scaled_zero_ortho")
 
 
 def relu2(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
-    """proj(0.5 relu(fc x)^2): jacobfa/Attractor's MLP (attractor/modules/basic.py:22-26, mlp.py:17-18)."""
+    """proj(0.5 relu(fc x)^2): jacobfa/Attractor's MLP (attractor/modules/basic.py:21-27, mlp.py:21-22)."""
     return F.linear(F.relu(F.linear(x, w_fc)).pow(2).mul(0.5), w_proj)
 
 
@@ -33,7 +33,7 @@ def relu2(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Te
 def trunc_orthogonal_(w: torch.Tensor, std: float) -> torch.Tensor:
     """A (semi-)orthogonal matrix from the QR of a truncated standard normal (|x| <= 2), signs fixed
     by R's diagonal, scaled so its entries have std ``std`` (gain std sqrt(max(rows, cols))): the
-    ``init_orthogonal`` of jacobfa/Attractor (attractor/utils/init.py:37-81). The last two dims of
+    ``init_orthogonal`` of jacobfa/Attractor (attractor/utils/init.py:237-281). The last two dims of
     ``w`` are one matrix; leading dims are a stack of them."""
     rows, cols = w.shape[-2], w.shape[-1]
     for idx in itertools.product(*map(range, w.shape[:-2])):

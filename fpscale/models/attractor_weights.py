@@ -1,6 +1,6 @@
 """jacobfa/Attractor's weights and config <-> fpscale's, exactly (``launch/convert.py --from attractor``,
 ``--to attractor``; their format: ``config.json`` = ``asdict(AttractorConfig)`` + ``_class_name`` and
-``model.pt`` = the state dict, written by their ``save_pretrained``, attractor/__init__.py:73-92;
+``model.pt`` = the state dict, written by their ``save_pretrained``, attractor/__init__.py:74-93;
 ``model.safetensors`` with the same names is read too).
 
 Their model -> fpscale's:
@@ -102,6 +102,7 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
     model = {"vocab_size": vocab, "d_model": d, "n_heads": heads, "mlp_ratio": int(their["intermediate_size"]) / d,
              "max_seq_len": int(their.get("block_size", 4096)), "rope_theta": float(rope.get("rope_base", 50_000)),
              "norm_eps": float(their.get("norm_eps", 1e-5)), "init_std": math.sqrt(2 / (5 * d)),
+             "embed_init": "trunc_orthogonal",
              "tie_embeddings": True,
              "layers": [{"type": "attn", "repeat": int(their["n_backbone_layers"]), "mlp": "relu2",
                          "qk_norm": bool(their.get("qk_norm", False)), "init": "scaled_zero_ortho"},

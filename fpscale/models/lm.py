@@ -17,6 +17,7 @@ from fpscale.layers.common import RMSNorm
 from fpscale.layers.deep_supervision import check_solver, deep_supervised_loss, supervised
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.looping import LoopedLayer
+from fpscale.layers.switches import trunc_orthogonal_
 from fpscale.models.caps import draw_cap
 from fpscale.models.config import ModelConfig
 from fpscale.models.heads import LMHead
@@ -29,7 +30,10 @@ class LoopedLM(torch.nn.Module):
         self.cfg, self.seed = cfg, seed
         solver = solver or SolverConfig()
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
-        torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        if cfg.embed_init == "trunc_orthogonal":      # Attractor's (attractor.py:296 with its scaled-zero table)
+            trunc_orthogonal_(self.embed.weight, cfg.init_std)
+        else:
+            torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
         layers = []
         for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.layers.registry)
             layer_solver = solver.with_overrides(spec.solver, f"model.layers.{i}.solver") if spec.looped else None

@@ -14,10 +14,10 @@ SOLVER = {"anderson": 5, "anderson_variant": "attractor", "norm": "sample_l2", "
           "patience": 0, "eta_min": 0.0, "min_iter": 3, "backward": "neumann1", "mask_unconverged": False}
 
 
-def tiny(seed=0, head_blocks=2, gate=0.1, solver=None, d=32, **spec):
+def tiny(seed=0, head_blocks=2, gate=0.1, solver=None, d=32, embed_init="normal", **spec):
     cfg = fpscale.load_config(None, [])
     cfg.model = ModelConfig(vocab_size=32, d_model=d, n_heads=4, mlp_ratio=4.0, max_seq_len=64, norm_eps=1e-5,
-                            rope_theta=50_000.0, init_std=(2 / (5 * d)) ** 0.5, layers=[
+                            rope_theta=50_000.0, init_std=(2 / (5 * d)) ** 0.5, embed_init=embed_init, layers=[
                                 layer_spec("attn", mlp="relu2", qk_norm=True, init="scaled_zero_ortho"),
                                 layer_spec("attractor", head_blocks=head_blocks, gate_init=gate,
                                            solver={**SOLVER, **(solver or {})}, **spec)])
@@ -78,7 +78,7 @@ def test_bf16_iterates_like_fp32_above_the_sample_l2_floor():
 
 
 def test_scaled_zero_ortho_init():
-    model = tiny(d=64)
+    model = tiny(d=64, embed_init="trunc_orthogonal")
     std = (2 / (5 * 64)) ** 0.5
     attn = model.layers[0]
     assert attn.attn.w_o.abs().max() == 0 and attn.mlp.w_proj.abs().max() == 0      # backbone outputs zero
@@ -89,6 +89,8 @@ def test_scaled_zero_ortho_init():
     gates = torch.sigmoid(head.raw_gamma_attn) * head.gamma_max
     assert torch.allclose(gates, torch.full_like(gates, 0.1))
     assert head.raw_gamma_attn._no_weight_decay
+    E = model.embed.weight                          # vocab 32 < d 64: orthonormal rows, entries of std
+    assert torch.allclose(E @ E.T, torch.eye(32) * std ** 2 * 64, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad,key", [({"mlp": "gelu"}, "mlp"), ({"init": "authors2"}, "init"),
