@@ -22,7 +22,7 @@ from fpscale.layers.common import (
     swiglu_hidden,
 )
 from fpscale.layers.registry import LayerSpec
-from fpscale.layers.switches import INITS, MLP_KINDS, Relu2MLP, scaled_zero_ortho_
+from fpscale.layers.switches import INITS, MLP_KINDS, VE_GATE_CHANNELS, Relu2MLP, ValueEmbedding, scaled_zero_ortho_
 
 
 def heads_and_mlp(cfg) -> list[tuple[str, int]]:
@@ -47,10 +47,16 @@ class AttnSpec(LayerSpec):
     mlp: str = "swiglu"
     qk_norm: bool = False
     init: str = "fpscale"
+    value_embed: bool = False
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         check_switches(self, prefix)
+
+    def validate_in(self, cfg, prefix: str) -> None:
+        check(not self.value_embed or cfg.d_model >= VE_GATE_CHANNELS, f"{prefix}.value_embed",
+              f"the gate reads the first {VE_GATE_CHANNELS} channels: d_model must be >= {VE_GATE_CHANNELS}, "
+              f"got {cfg.d_model}")
 
     def build(self, cfg, solver=None) -> torch.nn.Module:
         return AttnBlock(cfg, self)
@@ -60,16 +66,19 @@ class AttnSpec(LayerSpec):
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         hidden = swiglu_hidden(cfg.d_model, cfg.mlp_ratio)
-        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, hidden, self.mlp), 0.0
+        gate = 2 * VE_GATE_CHANNELS * cfg.n_heads if self.value_embed else 0
+        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, hidden, self.mlp) + gate, 0.0
 
 
 class Attention(torch.nn.Module):
     """Causal self-attention with RoPE and an optional KV cache for decoding."""
 
     def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
-                 dropout: float = 0.0, qk_norm: bool = False):
+                 dropout: float = 0.0, qk_norm: bool = False, value_embed: int = 0):
         super().__init__()
         self.head_dim = d_model // n_heads
+        # value_embed: the vocabulary size of a value-embedding table (0: none)
+        self.value_embed = ValueEmbedding(value_embed, d_model, n_heads) if value_embed else None
         self.rope_theta, self.dropout, self.qk_norm = rope_theta, dropout, qk_norm
         self.w_qkv = torch.nn.Parameter(torch.empty(3 * d_model, d_model))
         self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
@@ -83,9 +92,11 @@ class Attention(torch.nn.Module):
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
+        h = self.shards.enter(h)
+        extra = self.value_embed(h) if self.value_embed is not None else None
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
-            out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
-                                       self.dropout if self.training else 0.0, pad, self.qk_norm)
+            out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
+                                       self.dropout if self.training else 0.0, pad, self.qk_norm, extra)
         if cache is not None:
             cache["k"], cache["v"] = k, v
         return self.shards.exit(out)
@@ -121,7 +132,7 @@ class AttnBlock(torch.nn.Module):
 
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout,
-                         getattr(spec, "qk_norm", False))
+                         getattr(spec, "qk_norm", False), cfg.vocab_size if getattr(spec, "value_embed", False) else 0)
 
     def attn_sublayer(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                       pad: torch.Tensor | None = None) -> torch.Tensor:

@@ -154,13 +154,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head_dim: int, cos, sin,
                    past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None,
-                   qk_norm: bool = False):
+                   qk_norm: bool = False, v_extra: torch.Tensor | None = None):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
     tokens; ``pad`` the rows' left padding. Returns (output, k, v) with k, v covering past and
     new tokens. ``qk_norm``: q and k get a parameter-free RMSNorm over each head after RoPE (eps:
     the dtype's machine epsilon, F.rms_norm's default), as jacobfa/Attractor does
     (attractor/modules/mixer.py:13-15, 80-81); the cache then holds normalised keys."""
-    q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
+    q, k, v = F.linear(h, w_qkv).chunk(3, dim=-1)
+    if v_extra is not None:            # value embeddings (fpscale.layers.switches.ValueEmbedding)
+        v = v + v_extra.to(v.dtype)
+    q, k, v = (split_heads(t, head_dim) for t in (q, k, v))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if qk_norm:
         q, k = F.rms_norm(q, (head_dim,)), F.rms_norm(k, (head_dim,))

@@ -83,3 +83,36 @@ def scaled_zero_ortho_(w: torch.Tensor, parts: int = 1) -> torch.Tensor:
     for block in w.chunk(parts, dim=-2):
         trunc_orthogonal_(block, std)
     return w
+
+
+VE_GATE_CHANNELS = 32       # their gate reads the first 32 channels of the normalised input (mixer.py:43)
+
+
+class ValueEmbedding(torch.nn.Module):
+    """``value_embed: true`` on ``attn``: a per-layer token table added to the values, gated per head,
+    as jacobfa/Attractor's GPT baselines do (attractor/modules/mixer.py:18-20, 43-47, 64-69; gpt.py:39-42,
+    115-116): v += 2 sigmoid(W_g h[..., :32]) * table[token] per head, h the attention's normalised input.
+    The table starts N(0, 1) (torch.nn.Embedding's default: their init never touches it), W_g as
+    torch.nn.Linear's default. The LM sets ``tokens`` before each forward (``LoopedLM.hidden``).
+    Under TP the table's columns and the gate's rows split by heads, as the values do."""
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab_size, d_model))
+        self.gate = torch.nn.Parameter(torch.empty(n_heads, VE_GATE_CHANNELS))
+        bound = 1 / VE_GATE_CHANNELS ** 0.5
+        torch.nn.init.uniform_(self.gate, -bound, bound)
+        self.tokens: torch.Tensor | None = None
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        return {"table": TPSplit(1), "gate": TPSplit(0)}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The term added to this shard's values [B, T, heads x head_dim] for the normalised input h."""
+        if self.tokens is None or self.tokens.shape != h.shape[:2]:
+            raise RuntimeError("value_embed: the layer needs the token ids of its input (LoopedLM sets them; "
+                               "a layer called outside LoopedLM.hidden has none)")
+        gate = 2 * torch.sigmoid(F.linear(h[..., :VE_GATE_CHANNELS], self.gate))          # [B, T, heads]
+        ve = F.embedding(self.tokens, self.table)
+        heads = self.gate.shape[0]
+        return (ve.view(*ve.shape[:2], heads, -1) * gate[..., None].to(ve.dtype)).flatten(2)

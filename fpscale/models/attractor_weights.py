@@ -159,6 +159,29 @@ def to_fpscale(sd: dict[str, torch.Tensor], their: dict[str, Any]) -> dict[str, 
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def gpt_to_fpscale(sd: dict[str, torch.Tensor], n_layer: int, heads: int) -> dict[str, torch.Tensor]:
+    """fpscale's state dict of their GPT baseline's (attractor/models/gpt/gpt.py): attn layers, with
+    ``value_embed`` where they have a table (``value_embeds.{i}`` -> ``layers.{i}.attn.value_embed.table``,
+    ``transformer.h.{i}.attn.ve_gate`` -> ``.gate``). Their untied ``lm_head`` is unused with tied embeddings
+    (gpt.py:129-130) and not carried."""
+    d = sd["transformer.wte.weight"].shape[1]
+    dh = d // heads
+    out = {"embed.weight": sd["transformer.wte.weight"], "norm.weight": sd["transformer.ln_f.weight"]}
+    for i in range(n_layer):
+        t = f"transformer.h.{i}."
+        q, k = (_to_fpscale_rows(sd[t + f"attn.c_{n}.weight"], dh) for n in ("q", "k"))
+        out.update({f"layers.{i}.norm1.weight": sd[t + "norm_1.weight"],
+                    f"layers.{i}.attn.w_qkv": torch.cat([q, k, sd[t + "attn.c_v.weight"]]),
+                    f"layers.{i}.attn.w_o": sd[t + "attn.c_proj.weight"],
+                    f"layers.{i}.norm2.weight": sd[t + "norm_2.weight"],
+                    f"layers.{i}.mlp.w_fc": sd[t + "mlp.fc.weight"],
+                    f"layers.{i}.mlp.w_proj": sd[t + "mlp.proj.weight"]})
+        if f"value_embeds.{i}.weight" in sd:
+            out[f"layers.{i}.attn.value_embed.table"] = sd[f"value_embeds.{i}.weight"]
+            out[f"layers.{i}.attn.value_embed.gate"] = sd[t + "attn.ve_gate.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def to_theirs(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     """Their state dict of fpscale's (a model built from ``fpscale_config``: attn layers, then one attractor)."""
     dh = model_cfg.d_model // model_cfg.n_heads

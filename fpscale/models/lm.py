@@ -45,6 +45,8 @@ class LoopedLM(torch.nn.Module):
                         spec.deep_supervision.window
             layers += built
         self.layers = torch.nn.ModuleList(layers)
+        # modules that read the token ids of the sequence (value embeddings: fpscale.layers.switches)
+        self.token_readers = [m for m in self.layers.modules() if hasattr(m, "tokens")]
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead()                  # logits and loss; fpscale.parallel swaps in the vocab-parallel one
@@ -63,6 +65,8 @@ class LoopedLM(torch.nn.Module):
             raise ValueError(f"sequence of {pos + tokens.shape[1]} tokens exceeds model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
         x = self.embed(tokens)
+        for m in self.token_readers:
+            m.tokens = tokens
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         if pad is not None and (pad.shape != tokens.shape[:1] or pad.dtype != torch.long):

@@ -14,11 +14,12 @@ SOLVER = {"anderson": 5, "anderson_variant": "attractor", "norm": "sample_l2", "
           "patience": 0, "eta_min": 0.0, "min_iter": 3, "backward": "neumann1", "mask_unconverged": False}
 
 
-def tiny(seed=0, head_blocks=2, gate=0.1, solver=None, d=32, embed_init="normal", **spec):
+def tiny(seed=0, head_blocks=2, gate=0.1, solver=None, d=32, embed_init="normal", value_embed=False, **spec):
     cfg = fpscale.load_config(None, [])
     cfg.model = ModelConfig(vocab_size=32, d_model=d, n_heads=4, mlp_ratio=4.0, max_seq_len=64, norm_eps=1e-5,
                             rope_theta=50_000.0, init_std=(2 / (5 * d)) ** 0.5, embed_init=embed_init, layers=[
-                                layer_spec("attn", mlp="relu2", qk_norm=True, init="scaled_zero_ortho"),
+                                layer_spec("attn", mlp="relu2", qk_norm=True, init="scaled_zero_ortho",
+                                           value_embed=value_embed),
                                 layer_spec("attractor", head_blocks=head_blocks, gate_init=gate,
                                            solver={**SOLVER, **(solver or {})}, **spec)])
     cfg.model.validate()
@@ -47,7 +48,8 @@ def test_the_head_solves_its_map_from_c():
 
 
 def test_cached_decoding_matches_the_full_forward():
-    model = tiny(solver={"tol": 1e-6, "max_iter": 200}).eval()
+    """(the backbone with value embeddings: each decoding step reads its new tokens' table rows)"""
+    model = tiny(solver={"tol": 1e-6, "max_iter": 200}, value_embed=True).eval()
     prompt = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
     cached, cached_logits = fpscale.generate(model, prompt, 5, use_cache=True, return_logits=True)
     full, full_logits = fpscale.generate(model, prompt, 5, use_cache=False, return_logits=True)

@@ -109,3 +109,32 @@ def fpscale_model(folder):
     model = build_model(config_from_dict({**config, "model": {**config["model"], "loss_chunk": 0}})).double()
     model.load_state_dict(weights)
     return model.eval()
+
+
+def test_their_gpt_baseline_with_value_embeddings():
+    """Their same-label GPT baseline (value embeddings on every other layer, the last included; fixture
+    attractor_gpt_parity.safetensors, their code in float64): fpscale's attn layers with ``value_embed``
+    and their weights give their logits to 1e-6 and their gradients to 1e-6 relative."""
+    from fpscale.models.attractor_weights import gpt_to_fpscale
+    with safe_open(os.path.join(os.path.dirname(FIXTURE), "attractor_gpt_parity.safetensors"), "pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        s = json.loads(fh.metadata()["meta"])["settings"]
+    layer = "{type: attn, mlp: relu2, qk_norm: true"
+    layers = [layer + ("}" if i % 2 != (s["n_layer"] - 1) % 2 else ", value_embed: true}") for i in range(s["n_layer"])]
+    cfg = config_from_dict({"model": {
+        "vocab_size": s["vocab_size"], "d_model": s["n_embd"], "n_heads": s["num_attention_heads"],
+        "mlp_ratio": s["intermediate_size"] / s["n_embd"], "max_seq_len": s["block_size"], "rope_theta": 50000.0,
+        "norm_eps": 1e-5, "loss_chunk": 0, "layers": [__import__("yaml").safe_load(x) for x in layers]},
+        "data": {"seq_len": 8}})
+    model = build_model(cfg).double()
+    their = {k.removeprefix("weight."): v for k, v in tensors.items() if k.startswith("weight.")}
+    model.load_state_dict(gpt_to_fpscale(their, s["n_layer"], s["num_attention_heads"]))
+    logits = model(tensors["input_ids"])
+    assert (logits - tensors["logits"].double()).abs().max() < 1e-6
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tensors["labels"].flatten()).backward()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    want = gpt_to_fpscale({k.removeprefix("grad."): v for k, v in tensors.items() if k.startswith("grad.")},
+                          s["n_layer"], s["num_attention_heads"])
+    assert ours.keys() == want.keys() and any("value_embed" in k for k in ours)
+    for name in want:
+        assert rel(ours[name], want[name]) < 1e-6, (name, rel(ours[name], want[name]))

@@ -64,6 +64,8 @@ CASES = {
     "looped-deep-supervision-implicit": [
         "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
         "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "attn-relu2-value-embed": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, value_embed: true}, {type: attn}]"],
     "attractor-neumann1": [
         "model.layers=[{type: attn, mlp: relu2, qk_norm: true, init: scaled_zero_ortho},"
         " {type: attractor, head_blocks: 2,"
