@@ -11,7 +11,7 @@ COUNTED = [("attn", {}), ("fpsa", {}), ("looped", {}), ("looped", {"core_blocks"
            ("fpmamba", {}), ("fpmamba", {"mixer": "dplr", "y_feedback": False}), ("fpmamba", {"mixer": "kronecker"}),
            ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {}),
            ("fpmamba", {"preset": "authors_state_tracking", "mixer": "kronecker"}),
-           ("fpmamba", {"preset": "authors_lm"}), ("attn", {"mlp": "relu2", "qk_norm": True}),
+           ("fpmamba", {"preset": "authors_lm"}), ("attn", {"mlp": "relu2", "qk_norm": True, "value_embed": True}),
            ("attractor", {}), ("attractor", {"head_blocks": 2, "mlp": "swiglu"})]
 
 
