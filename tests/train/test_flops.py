@@ -32,6 +32,8 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     B, T, d, k = 2, 32, 64, 3
     cfg = tiny_config(kind, d=d, solver={"tol": 0.0, "max_iter": k, "eval_max_iter": k, "anderson": 0}, **spec)
     model = fpscale.build_model(cfg).eval()
+    for m in model.token_readers:             # value embeddings read the token ids (LoopedLM.hidden sets them)
+        m.tokens = torch.zeros(B, T, dtype=torch.long)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.layers[0](torch.randn(B, T, d))
     ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
