@@ -92,7 +92,8 @@ LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spect
                 "looped": ["core_blocks", "a1_init", "a2_init", "conv"],
                 "fpmamba2": None}    # None: every field (a type added after the runs kept so far)
 # keys added after runs were kept: left out of the key at their default (kept runs stay reusable)
-NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token"}
+NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token", ("attn", "mlp"): "swiglu", ("attn", "qk_norm"): False,
+                    ("attn", "init"): "fpscale", ("attn", "value_embed"): False}
 
 
 def run_key(cfg) -> str:

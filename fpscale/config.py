@@ -110,10 +110,27 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key."""
     if not isinstance(data, dict):
         raise TypeError("config data must be a mapping")
-    data = _merge(to_dict(Config()), data)
+    base = to_dict(Config())
+    # the default layer entries as their type and non-default fields only: an override that changes an
+    # entry's type (model.layers.0.type=fpsa) must not carry the fields of the default type along
+    base["model"]["layers"] = [_set_fields(spec) for spec in Config().model.layers]
+    data = _merge(base, data)
     for override in overrides:
         apply_override(data, override)
     return from_dict(Config, data)
+
+
+def _set_fields(spec) -> dict[str, Any]:
+    """A layer spec as YAML data: ``type`` and the fields that differ from their defaults."""
+    import dataclasses
+    out = {}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        if f.name == "type" or value != default:
+            out[f.name] = to_dict(value)
+    return out
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
