@@ -292,7 +292,7 @@ if AVAILABLE:
             eta = tl.load(eta_ptr + rows // T, mask=rmask, other=0.0)[:, None]
         hold = (rows * 0 + (1 - alive.to(tl.int32))) != 0          # every token, once non-finite
         frozen = tl.load(frozen_ptr + rows, mask=rmask, other=0) != 0
-        if FREEZE:
+        if FREEZE or TOKEN:
             hold = hold | frozen
         for c0 in range(0, D, BLOCK_D):
             z, f, m, off = _columns(z_ptr, f_ptr, base, rmask, c0, D, BLOCK_D)
