@@ -26,6 +26,11 @@ LOOPED = [t for t in LAYER_TYPES if t != "attn"]
 
 def build(layer_type: str, solver: dict, dtype=torch.float64, seed: int = 0, around: bool = True):
     """A tiny LM: attn, the looped layer, attn (``around``), dropout off."""
+    torch.manual_seed(seed)
+    return fpscale.build_model(config(layer_type, solver, around)).to(dtype).eval()
+
+
+def config(layer_type: str, solver: dict, around: bool = True):
     cfg = fpscale.load_config(None, [])
     looped = layer_spec(layer_type)
     if looped.looped:
@@ -33,8 +38,8 @@ def build(layer_type: str, solver: dict, dtype=torch.float64, seed: int = 0, aro
     layers = [layer_spec("attn"), looped, layer_spec("attn")] if around else [looped]
     cfg.model = ModelConfig(vocab_size=VOCAB, d_model=D, n_heads=4, max_seq_len=64, layers=layers, dropout=0.0)
     cfg.model.validate()
-    torch.manual_seed(seed)
-    return fpscale.build_model(cfg).to(dtype).eval()
+    cfg.data.seq_len = 32
+    return cfg
 
 
 def cases():
@@ -147,3 +152,42 @@ def test_the_old_rules_fail_these_checks():
         model = build("fpmamba2", {**stall, "decisions": decisions}, dtype=torch.float32)
         leak[decisions] = (model(y)[:, :30] - model(x)[:, :30]).abs().max().item()
     assert leak["sample"] > 1e-3 and leak["token"] == 0.0, leak
+
+
+@pytest.mark.parametrize("layer_type", LOOPED)
+def test_the_hf_model_outputs_the_grad_mode_forward(layer_type, tmp_path):
+    """The exported model (the bundled code, loaded by transformers) evaluates, with and without its
+    cache, what the fpscale model's grad-mode forward computes (phantom: f^3 after the solve)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+    import yaml
+    from fpscale.hf.export import export_hf
+    from fpscale.typed import to_dict
+
+    solver = {**SOLVE64, "backward": "phantom"}
+    model = build(layer_type, solver)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights / "model.safetensors"))
+    (weights / "config.yaml").write_text(yaml.safe_dump(to_dict(config(layer_type, solver)), sort_keys=False))
+    folder = export_hf(str(weights), str(tmp_path / "hf"), tokenizer=False)
+    # .to(float64): from_pretrained keeps fpmamba's A_log in float32 whatever torch_dtype (1.4e-10 here)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                           torch_dtype=torch.float64).to(torch.float64).eval()
+    x = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.enable_grad():
+        trained = model(x)
+    with torch.no_grad():
+        diff = (hf(x).logits - trained).abs().max().item()
+        assert diff <= 1e-10, diff
+        # cached decoding through the HF model's cache, greedy, in float64
+        seq, cache, logits, steps = x[:, :5], None, None, []
+        for _ in range(5):
+            out = hf(seq if cache is None else seq[:, -1:], past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            steps.append(logits)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    with torch.enable_grad():
+        full = model(seq[:, :-1])
+    diff = (torch.stack(steps, 1) - full[:, 4:]).abs().max().item()
+    assert diff <= 1e-10, diff
