@@ -18,7 +18,11 @@ Here one iteration is f, then
                                                                     grid: 1
            (``solver.agree: dp``: the decision's counts are summed over the DP group first, then a
            fifth kernel, ``_agreed``, commits the decision)
-  update   z' = eta f(z) + (1 - eta) z, holding frozen tokens and, once a residual went
+           ``decisions: token`` (the default): ``flags`` writes per-token flags, then ``_tokens``
+           (grid B: each token's best, patience and next damping, the sample's [non-finite,
+           unconverged, movable]) and ``_decide_samples`` (grid 1: the decision), 5 kernels
+  update   z' = eta f(z) + (1 - eta) z (eta per sample or per token; per token a token retires
+           once converged or its eta fell below eta_min), holding frozen tokens and, once a residual went
            non-finite, every token; the frozen flags and the last finite residual per token
                                                                     grid: blocks of tokens
 and, at the iterations the read schedule names, one host read of the decision (5 int64).
