@@ -89,9 +89,12 @@ class FixedPointLayer(LoopedLayer):
                                    real=real, iterate_free=self.iterate_free,
                                    agree=self.dp_agree if self.training and self.solver.agree == "dp" else None,
                                    min_iter=step_cache.min_iter if step_cache is not None else 0,
+                                   prefix=step_cache.prefix if step_cache is not None else None,
                                    on_final=step_cache.on_final if step_cache is not None else None)
-        if step_cache is not None and not step_cache.finals:
-            step_cache.on_final()
-            with torch.no_grad():
-                f(z.detach())
+        if step_cache is not None:
+            step_cache.retired_at = self.last_stats.retired_at
+            if not step_cache.finals:
+                step_cache.on_final()
+                with torch.no_grad():
+                    f(z.detach())
         return z

@@ -8,9 +8,11 @@ reads of that token at every iteration j (``iters``: fpsa's keys, the looped cor
 sublayer, fpmamba's y and scan state after it) and at the applications after the solve
 (``finals``: the output step of jfb/phantom, ``SolverConfig.eval_output``), and the new token's
 f reads entry j at its iteration j. With ``solver.decisions: token`` (the default) token t's own
-damping, patience and retirement follow its own residual, so its trajectory is the full forward's,
-and past the iteration where a token retired its entries stop changing: an entry list ends with the
-final one, read for every later index.
+damping and patience follow its own residual, and it retires once every token up to it is done: the
+cache keeps ``prefix`` [B], the iteration from which every past token is done (the last past token's
+retirement), which the new tokens' prefix rule reads. So the new token's trajectory is the full
+forward's, and past the iteration where a token retired its entries stop changing: an entry list
+ends with the final one, read for every later index.
 
 Index bookkeeping: f's calls in a solve are the loop's K (inputs z^0 .. z^{K-1}) and, after
 ``on_final``, the applications to z^K (the output step; with none, the layer applies f to z* once
@@ -54,6 +56,9 @@ class StepCache:
         past = cache.get(key) if cache is not None else None
         self.past_iters: dict | None = past["iters"] if past else None
         self.past_finals: dict | None = past["finals"] if past else None
+        # per token (solver.decisions: token): the iteration from which every past token is done
+        self.prefix: torch.Tensor | None = past.get("prefix") if past else None
+        self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
         self.iters: list[dict] = []
         self.finals: list[dict] = []
@@ -91,6 +96,8 @@ class StepCache:
             new_iters = _merge(self.past_iters, new_iters, combine)
             new_finals = _merge(self.past_finals, new_finals, combine)
         cache[key] = {"iters": new_iters, "finals": new_finals}
+        if self.retired_at is not None:
+            cache[key]["prefix"] = self.retired_at
 
 
 def _merge(past: dict, new: dict, combine: dict[str, Combine]) -> dict:

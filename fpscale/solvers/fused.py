@@ -22,7 +22,7 @@ Here one iteration is f, then
            (grid B: each token's best, patience and next damping, the sample's [non-finite,
            unconverged, movable]) and ``_decide_samples`` (grid 1: the decision), 5 kernels
   update   z' = eta f(z) + (1 - eta) z (eta per sample or per token; per token a token retires
-           once converged or its eta fell below eta_min), holding frozen tokens and, once a residual went
+           once every token up to it converged or stalled: ``_tokens`` decides), holding frozen tokens and, once a residual went
            non-finite, every token; the frozen flags and the last finite residual per token
                                                                     grid: blocks of tokens
 and, at the iterations the read schedule names, one host read of the decision (5 int64).
@@ -59,7 +59,7 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.host_reads import _ACTIVE as COUNTING
 from fpscale.solvers.host_reads import opaque_kernel, tensor_bytes
-from fpscale.solvers.loop_state import IterateResult, check_step_output, state_dtype
+from fpscale.solvers.loop_state import NEVER, IterateResult, check_step_output, state_dtype
 
 FUSED_ERROR: Exception | None = None
 try:
@@ -163,14 +163,19 @@ if AVAILABLE:
 
     @triton.jit
     def _tokens(flags_ptr, res_ptr, best_ptr, patience_ptr, eta_ptr, eta_out_ptr, consts_ptr, sample_ptr,
-                B, T, patience, PATIENCE: tl.constexpr, BLOCK_T: tl.constexpr):
+                retire_ptr, prefix_ptr, k, B, T, patience, PATIENCE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                BLOCK_T: tl.constexpr):
         """``decisions: token``, per sample b (after the consensus): each token's best residual,
-        patience and next damping (Algorithm 1 per token), and the sample's
+        patience and next damping (Algorithm 1 per token), whether it retires (every token up to it
+        done: converged, or its next eta below eta_min; the prefix rule), and the sample's
         [non-finite, has an unconverged token, has a movable one (unconverged, next eta >= eta_min)]."""
         b = tl.program_id(0)
         N = B * T
         unconv = tl.zeros([BLOCK_T], dtype=tl.int64)
         movable = tl.zeros([BLOCK_T], dtype=tl.int64)
+        not_done_before = 0
+        if HAS_PREFIX:      # the tokens before this chunk (cached decoding): done from iteration prefix[b]
+            not_done_before = (tl.load(prefix_ptr + b) > k).to(tl.int32)
         for t0 in range(0, T, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             m = t < T
@@ -189,7 +194,11 @@ if AVAILABLE:
                 tl.store(patience_ptr + idx, tl.where(decay_now, patience, left), mask=m)
             tl.store(eta_out_ptr + idx, next_eta, mask=m)
             unconv = tl.maximum(unconv, u)
-            movable = tl.maximum(movable, ((u != 0) & ~(next_eta < tl.load(consts_ptr + 3)) & m).to(tl.int64))
+            not_done = ((u != 0) & ~(next_eta < tl.load(consts_ptr + 3)) & m).to(tl.int32)
+            movable = tl.maximum(movable, not_done.to(tl.int64))
+            before = tl.cumsum(not_done, axis=0) + not_done_before        # not-done tokens up to t
+            tl.store(retire_ptr + idx, (before == 0).to(tl.int8), mask=m)
+            not_done_before += tl.sum(not_done, axis=0)
         tl.store(sample_ptr + b, tl.load(flags_ptr + b))
         tl.store(sample_ptr + B + b, tl.max(unconv, axis=0))
         tl.store(sample_ptr + 2 * B + b, tl.max(movable, axis=0))
@@ -278,10 +287,10 @@ if AVAILABLE:
 
     @triton.jit
     def _update(z_ptr, f_ptr, out_ptr, eta_ptr, frozen_ptr, tres_ptr, res_ptr, alive_ptr, consts_ptr, N, D, T,
-                eta_out_ptr, flags_ptr, B, FREEZE: tl.constexpr, TOKEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                eta_out_ptr, retire_ptr, retired_at_ptr, k, FREEZE: tl.constexpr, TOKEN: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr):
         """The damped step and freezing. ``TOKEN`` (``decisions: token``): eta per token, a token
-        retires once it converged (its agreed flag) or its next eta fell below eta_min, and the
+        retires where ``_tokens`` said (every token up to it converged or stalled), and the
         next eta is held once a residual went non-finite."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < N
@@ -303,10 +312,11 @@ if AVAILABLE:
             step = eta * f + (1 - eta) * z
             tl.store(out_ptr + off, tl.where(hold[:, None], z, step), mask=m)
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-        if TOKEN:
-            converged = tl.load(flags_ptr + B + rows, mask=rmask, other=1) == 0
-            newly = frozen | converged | (next_eta < tl.load(consts_ptr + 3))
+        if TOKEN:       # the prefix rule, decided by _tokens
+            newly = frozen | (tl.load(retire_ptr + rows, mask=rmask, other=0) != 0)
             tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)
+            became = newly & ~frozen & alive & ((rows % T) == (T - 1))       # the last token retires now
+            tl.store(retired_at_ptr + rows // T, rows.to(tl.int64) * 0 + k, mask=rmask & became)
         elif FREEZE:
             newly = frozen | (res < tl.load(consts_ptr))
             tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)
@@ -333,7 +343,7 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
                   every: int | None, limit: int, consensus, state_reduce, max_iter: int,
-                  real: torch.Tensor | None, agree=None, min_iter: int = 0):
+                  real: torch.Tensor | None, agree=None, min_iter: int = 0, prefix: torch.Tensor | None = None):
     """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
     its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
     of samples that may stay unconverged (``quantile_limit``)."""
@@ -354,6 +364,9 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
         torch.empty(B, dtype=dtype, device=dev)
     flags, decision = torch.empty(B + 2 * U, dtype=torch.long, device=dev), torch.zeros(5, dtype=torch.long, device=dev)
     counts, per_sample = torch.zeros(3, dtype=torch.long, device=dev), torch.zeros(3 * B, dtype=torch.long, device=dev)
+    retire = torch.zeros(N if token else 1, dtype=torch.int8, device=dev)
+    retired_at = torch.full((B,), NEVER, dtype=torch.long, device=dev)
+    prefix = prefix.to(device=dev, dtype=torch.long).contiguous() if prefix is not None else retired_at
     best, patience_left = full(U, float("inf")), full(U, cfg.patience, torch.long)
     eta, eta_next = full(U, cfg.damping), torch.empty(U, dtype=dtype, device=dev)
     alive, first_bad = full(1, 1, torch.int32), full(1, max_iter, torch.long)
@@ -377,8 +390,8 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
                 BLOCK_T=min(_pow2(T), 1024))
         agreed = flags if consensus is None else consensus(flags)
         if token:
-            _launch(_tokens, (B,), agreed, res, best, patience_left, eta, eta_next, consts, per_sample, B, T,
-                    cfg.patience, PATIENCE=cfg.patience > 0, BLOCK_T=min(_pow2(T), 1024))
+            _launch(_tokens, (B,), agreed, res, best, patience_left, eta, eta_next, consts, per_sample, retire,
+                    prefix, k, B, T, cfg.patience, PATIENCE=cfg.patience > 0, HAS_PREFIX=prefix is not retired_at, BLOCK_T=min(_pow2(T), 1024))
             _launch(_decide_samples, (1,), per_sample, alive, first_bad, decision, counts, B, k, limit,
                     AGREE=agree is not None, BLOCK_B=_pow2(B))
         else:
@@ -390,7 +403,7 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
                     ETA=not token, BLOCK_B=_pow2(B))
         z_next = torch.empty_like(z)
         _launch(_update, grid_rows, z, fz, z_next, eta, frozen, token_res, res, alive, consts, N, D, T,
-                eta_next, agreed, B, FREEZE=cfg.freeze_converged, TOKEN=token, BLOCK_R=block_r, BLOCK_D=block_d,
+                eta_next, retire, retired_at, k, FREEZE=cfg.freeze_converged, TOKEN=token, BLOCK_R=block_r, BLOCK_D=block_d,
                 enable_fp_fusion=False)
         z, eta, eta_next = z_next, eta_next, eta
         if k == max_iter or (every is not None and k % every == 0):
@@ -403,4 +416,5 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
                 break
     token_res = token_res.view(B, T)
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
-                         token_converged=token_res < cfg.tol, eta=eta.view(B, T) if token else eta)
+                         token_converged=token_res < cfg.tol, eta=eta.view(B, T) if token else eta,
+                         retired_at=retired_at)

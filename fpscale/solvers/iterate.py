@@ -9,9 +9,10 @@ One loop, at most one host synchronisation per iteration (the stop decision):
                         (1 - p) of the B samples this solve sees have converged (p = 0: all)
   decisions             where Algorithm 1's damping, patience and freezing live (``solver.decisions``):
     token (default)     per token, the causal rule: token t's eta_t, best r_t and patience follow
-                        its own residual r_t, which a causal f computes from tokens <= t; a token
-                        retires (is frozen) once it converged (r_t < tol) or its eta_t fell below
-                        eta_min, so its value is what it was then, whenever the solve stops.
+                        its own residual r_t, which a causal f computes from tokens <= t; token t
+                        retires (is frozen) once every token s <= t is done, converged (r_s < tol)
+                        or stalled (eta_s below eta_min): the prefix rule, so its value is what it
+                        was then whenever the solve stops, and nothing it reads moves afterwards.
                         Anderson mixes per token. docs/solver.md, "Causality"
     sample              per sample (FPRM Algorithm 1 applied to each sample, as the FP-RNN authors'
                         solver does): every token of a sample shares eta_b, which the sample's
@@ -55,7 +56,7 @@ import torch
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
 from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
-from fpscale.solvers.loop_state import Carry, IterateResult, check_step_output, state_dtype
+from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, check_step_output, state_dtype
 from fpscale.solvers.stop_rule import stop_residual
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
@@ -245,7 +246,8 @@ def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
             max_iter: int | None = None, real: torch.Tensor | None = None,
-            agree: Agree | None = None, carry: Carry | None = None, min_iter: int = 0) -> IterateResult:
+            agree: Agree | None = None, carry: Carry | None = None, min_iter: int = 0,
+            prefix: torch.Tensor | None = None) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
@@ -258,6 +260,10 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     ``carry`` (a previous call's ``IterateResult.carry``): go on with that solve's damping, patience,
     best residuals and frozen tokens instead of starting afresh (always the PyTorch loop).
     ``min_iter``: no rule stops the solve before this many iterations (cached decoding).
+    ``prefix`` [B] long (``decisions: token``, cached decoding): the iteration from which every token
+    before this chunk is done (a previous solve's ``retired_at``; the prefix rule reads it as a
+    token before the first). The result's ``retired_at`` [B] is the iteration at which the chunk's
+    last token retired (``NEVER`` if it did not).
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
     tol = cfg.tol
@@ -273,11 +279,12 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     if carry is None and fused_wanted(cfg, z0):
         return iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
                              state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree,
-                             min_iter=min_iter)
+                             min_iter=min_iter, prefix=prefix)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
-                                 eta, best, patience_left, frozen, token_res, anderson, agree, min_iter)
+                                 eta, best, patience_left, frozen, token_res, anderson, agree, min_iter, prefix)
     by_token = cfg.decisions == "token"
+    retired_at = torch.full((B,), NEVER, dtype=torch.long, device=z.device)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
@@ -292,7 +299,8 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
         z_next = _damped_step(z, fz, eta, anderson, by_token)
         if by_token or cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
-            frozen = frozen | counts.retire(res, tol)
+            frozen = frozen | counts.retire(res, tol, k, prefix)
+            retired_at = torch.where(frozen[:, -1] & (retired_at == NEVER), k, retired_at)
         token_res = res.to(dtype)
         eta = next_eta
         z = z_next
@@ -302,7 +310,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
             break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta,
-                         carry=Carry(eta, best, patience_left, frozen, token_res))
+                         carry=Carry(eta, best, patience_left, frozen, token_res), retired_at=retired_at)
 
 
 def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
@@ -397,12 +405,18 @@ class _Counts:
             return unconverged.any(1).sum(), movable.any(1).sum()
         return unconverged.sum(), movable.sum()
 
-    def retire(self, res: torch.Tensor, tol: float) -> torch.Tensor:
-        """[B, T] tokens frozen from the next iteration on: per token (``decisions: token``) those that
-        converged (the agreed flag, so with ``stop_residual: best`` too) or whose next eta fell below
-        eta_min; per sample (``freeze_converged``) the tokens whose residual is below tol."""
+    def retire(self, res: torch.Tensor, tol: float, k: int, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] tokens frozen from the next iteration on. Per token (``decisions: token``) the prefix
+        rule: token t retires once every token s <= t is done, converged (the agreed flag, so with
+        ``stop_residual: best`` too) or stalled (its next eta below eta_min); the retired tokens are
+        a prefix of the sample, so nothing a retired token reads moves after it. Per sample
+        (``freeze_converged``) the tokens whose residual is below tol."""
         if self.flags.unconverged.dim() == 2:
-            return ~self.flags.unconverged | (self.next_eta < self.eta_min)
+            done = ~self.flags.unconverged | (self.next_eta < self.eta_min)
+            if prefix is not None:          # the tokens before this chunk (cached decoding)
+                done = torch.cat([(prefix <= k)[:, None], done], 1)
+                return done.to(torch.uint8).cummin(1).values.bool()[:, 1:]
+            return done.to(torch.uint8).cummin(1).values.bool()
         return res < tol
 
     def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,7 +426,7 @@ class _Counts:
 
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
                       max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson,
-                      agree, min_iter: int = 0) -> IterateResult:
+                      agree, min_iter: int = 0, prefix=None) -> IterateResult:
     """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
     ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
     a non-finite residual is remembered on the device and holds the state at its last finite
@@ -421,6 +435,7 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
     alive = torch.ones((), dtype=torch.bool, device=z.device)       # no non-finite residual yet
     first_bad = torch.full((), max_iter, dtype=torch.long, device=z.device)
     stopped_by, k = "max_iter", 0
+    retired_at = torch.full((z.shape[0],), NEVER, dtype=torch.long, device=z.device)
     for k in range(1, max_iter + 1):
         fz, res, counts, best, patience_left, next_eta = _observe(
             step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
@@ -430,7 +445,8 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
         z_next = _damped_step(z, fz, eta, anderson, by_token)
         if by_token or cfg.freeze_converged:     # a frozen token, or every token once a residual went non-finite
             z_next = torch.where(_per_token(frozen | ~alive, z), z, z_next)
-            frozen = torch.where(alive, frozen | counts.retire(res, tol), frozen)
+            frozen = torch.where(alive, frozen | counts.retire(res, tol, k, prefix), frozen)
+            retired_at = torch.where(frozen[:, -1] & (retired_at == NEVER), k, retired_at)
         else:
             z_next = torch.where(alive, z_next, z)
         with torch.no_grad():
@@ -451,4 +467,4 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
                 break
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < tol, eta=eta,
-                         carry=Carry(eta, best, patience_left, frozen, token_res))
+                         carry=Carry(eta, best, patience_left, frozen, token_res), retired_at=retired_at)

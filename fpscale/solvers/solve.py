@@ -25,7 +25,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
           *, training: bool | None = None, consensus: Consensus | None = None,
           state_reduce: StateReduce | None = None, max_iter: int | None = None,
           real: torch.Tensor | None = None, iterate_free: bool = False,
-          agree: Agree | None = None, min_iter: int = 0,
+          agree: Agree | None = None, min_iter: int = 0, prefix: torch.Tensor | None = None,
           on_final: Callable[[], None] | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
@@ -42,6 +42,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                the forward and the adjoint solve stop as one process over the DP group's samples.
     min_iter   no stop rule ends the solve before this many iterations (cached decoding: the new
                token's solve covers the iterations its past's per-iteration caches recorded)
+    prefix     [B] long, per token: the iteration from which the tokens before z0's are all done
+               (cached decoding: the previous chunk's ``stats.retired_at``; the prefix rule)
     on_final   called once the iteration loop ended, before f is applied to z* (the output step, or
                the implicit backward's one application): cached decoding's f then reads the past's
                final entries (fpscale.models.step_cache)
@@ -79,10 +81,10 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     with torch.enable_grad() if unroll else torch.no_grad():
         result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
                          state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
-                         min_iter=min(min_iter, cap))
+                         min_iter=min(min_iter, cap), prefix=prefix)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                        final_eta=result.eta, tol=cfg.tol)
+                        final_eta=result.eta, tol=cfg.tol, retired_at=result.retired_at)
     z = result.z
     if unroll:
         return z, stats

@@ -47,6 +47,7 @@ class SolverStats:
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
     backward_residual: torch.Tensor | float | None = None   # adjoint's largest residual (a device scalar)
     windows: int | None = None      # deep supervision: windows supervised before the final one
+    retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (decisions: token)
     window: int | None = None       # deep supervision: iterations per window
 
     @property
