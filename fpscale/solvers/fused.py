@@ -48,6 +48,10 @@ training solve and Anderson mixing keep the PyTorch loop. ``fused`` requires it 
 definition); ``torch`` never. Block sizes are untuned defaults (not yet run on a GPU).
 
     python bench/solver_overhead.py --bookkeeping fused      # kernels per iteration, on CPU via the interpreter
+
+Over 400 lines: the per-sample and per-token (``decisions``) variants are the same five steps over one
+host loop and share their jit helpers (``_columns``, ``_commit``); split, each half would import the
+other's kernels.
 """
 from __future__ import annotations
 

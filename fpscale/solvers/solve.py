@@ -46,7 +46,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                (cached decoding: the previous chunk's ``stats.retired_at``; the prefix rule)
     on_final   called once the iteration loop ended, before f is applied to z* (the output step, or
                the implicit backward's one application): cached decoding's f then reads the past's
-               final entries (fpscale.models.step_cache)
+               final entries (fpscale.layers.step_cache)
     iterate_free  f never reads its iterate (a plain Mamba baseline: ``FPMambaSpec.iterate_free``):
                f(z0) is then the exact fixed point, and the solve is that one application, under
                grad when grad mode is on (``apply_once``), whatever the cap and the backward mode.

@@ -14,7 +14,7 @@ import torch
 
 import fpscale
 from fpscale.models import LAYER_TYPES, ModelConfig, layer_spec
-from fpscale.models.fixed_point import FixedPointLayer
+from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.train.validation import validate
 
 VOCAB, D, T = 32, 32, 12
