@@ -89,6 +89,7 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
     max_iter, tol = int(their.get("max_iter", 12)), float(their.get("tol", 1e-3))
     anderson = their.get("solver", "anderson") == "anderson"
     solver = {"max_iter": max_iter, "min_iter": int(their.get("min_iter", 0)), "tol": tol, "norm": "sample_l2",
+              "decisions": "sample",
               "stop_quantile": 0.0, "patience": 0, "eta_min": 0.0, "damping": float(their.get("anderson_beta", 1.0)),
               "anderson": int(their.get("anderson_m", 5)) if anderson else 0,
               "anderson_variant": "attractor" if anderson else "fpscale", "anderson_lambda": 1e-4,

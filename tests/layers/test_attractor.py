@@ -10,7 +10,8 @@ from fpscale.errors import ConfigError
 from fpscale.models import ModelConfig, layer_spec
 from tests.models.helpers import assert_iterates_alike
 
-SOLVER = {"anderson": 5, "anderson_variant": "attractor", "norm": "sample_l2", "stop_quantile": 0.0,
+SOLVER = {"anderson": 5, "anderson_variant": "attractor", "norm": "sample_l2", "decisions": "sample",
+          "stop_quantile": 0.0,
           "patience": 0, "eta_min": 0.0, "min_iter": 3, "backward": "neumann1", "mask_unconverged": False}
 
 

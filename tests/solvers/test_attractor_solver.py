@@ -10,7 +10,8 @@ from fpscale.errors import ConfigError
 from fpscale.solvers import SolverConfig, solve
 from fpscale.solvers.anderson import sample_residual
 
-ATTRACTOR = dict(anderson=5, anderson_variant="attractor", norm="sample_l2", stop_quantile=0.0, patience=0,
+ATTRACTOR = dict(anderson=5, anderson_variant="attractor", norm="sample_l2", decisions="sample", stop_quantile=0.0,
+                 patience=0,
                  eta_min=0.0, mask_unconverged=False)
 
 
@@ -95,7 +96,8 @@ def test_min_iter_holds_the_stop_and_every_sample_must_pass(check_every):
 
     def constant(z):                      # converged (residual 0) from the second application on
         return x + 0 * z
-    base = dict(norm="sample_l2", stop_quantile=0.0, patience=0, tol=1e-6, max_iter=20, check_every=check_every)
+    base = dict(norm="sample_l2", decisions="sample", stop_quantile=0.0, patience=0, tol=1e-6, max_iter=20,
+                check_every=check_every)
     with torch.no_grad():
         _, free = solve(constant, torch.zeros_like(x), SolverConfig(**base), training=False)
         _, held = solve(constant, torch.zeros_like(x), SolverConfig(**base, min_iter=7), training=False)
@@ -155,9 +157,11 @@ def test_neumann1_and_the_anderson_adjoint_against_dense_jacobians():
 
 def test_fused_bookkeeping_with_sample_l2_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="bookkeeping"):
-        SolverConfig(norm="sample_l2", bookkeeping="fused").validate("solver")
+        SolverConfig(norm="sample_l2", decisions="sample", bookkeeping="fused").validate("solver")
+    with pytest.raises(ConfigError, match="decisions"):
+        SolverConfig(norm="sample_l2", decisions="token").validate("solver")
     with pytest.raises(ConfigError, match="anderson_variant"):
-        SolverConfig(anderson_variant="attractor").validate("solver")
+        SolverConfig(anderson_variant="attractor", decisions="sample").validate("solver")
 
 
 @pytest.mark.parametrize("check_every", [1, 4])
