@@ -20,6 +20,11 @@ standard method such as AdamW"). ``train.group_override: {layers.3: matrix}`` mo
 whose name starts with a prefix to a group (Attractor keeps its whole fixed-point head in AdamW:
 attractor/models/attractor/attractor.py tags ``core_block`` ``_fp_head``).
 
+Groups of the same settings are merged (``norm+scalar``): DeepSpeed flattens and partitions each group
+on its own, and a group of a few scalars, all of it padding on some rank, breaks DeepSpeed 0.19.8's
+universal-checkpoint load (runtime/base_optimizer.py ``steps[0]``: IndexError) where that rank owns
+none of it. Give such a group its own lr only where no universal resume is needed.
+
 ``optimizer: adamw`` without any per-group key keeps fpscale's two groups (decay / no decay), so
 its checkpoints and layouts are those of earlier runs.
 """
@@ -132,7 +137,13 @@ def build_optimizer(model: torch.nn.Module, cfg, tp_group=None) -> tuple[torch.o
                          cautious=m.cautious_wd)
             else:
                 g.update(kind="adamw", betas=tuple(t.group_betas.get(group, (t.beta1, t.beta2))), eps=1e-8)
-            groups.append(g)
+            same = next((h for h in groups if {k: v for k, v in h.items() if k not in ("params", "group")}
+                         == {k: v for k, v in g.items() if k not in ("params", "group")}), None)
+            if same is None:
+                groups.append(g)
+            else:        # one group per setting: DeepSpeed flattens and partitions each group on its own
+                same["params"] += params
+                same["group"] += "" if group in same["group"].split("+") else f"+{group}"
     if t.optimizer == "adamw":
         for g in groups:
             del g["kind"], g["eps"]
