@@ -41,7 +41,8 @@ def build(optimizer: str, ns_dtype: str, state=None):
     model = fpscale.build_model(cfg)
     if state is not None:
         model = parallelize(model, state)
-    device = torch.device("cuda", state.local_rank if state else 0) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", state.local_rank if state else 0) if cuda else torch.device("cpu")
     model = model.to(device)
     block = torch.nn.Module()
     block.layers = model.layers                      # names stay layers.0...: the same roles
@@ -111,8 +112,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [measure("adamw", "bf16", args.repeats, args.blocks), measure("muon_adamw", "bf16", args.repeats, args.blocks),
-            measure("muon_adamw", "fp32", args.repeats, args.blocks)]
+    rows = [measure(o, d, args.repeats, args.blocks) for o, d in
+            (("adamw", "bf16"), ("muon_adamw", "bf16"), ("muon_adamw", "fp32"))]
     if not args.no_tp:
         import socket
 

@@ -31,8 +31,10 @@ class MuonConfig:
 
     def validate(self, prefix: str = "train.muon") -> None:
         check(0 <= self.momentum < 1, f"{prefix}.momentum", f"must be in [0, 1), got {self.momentum}")
-        check(0 <= self.momentum_start < 1, f"{prefix}.momentum_start", f"must be in [0, 1), got {self.momentum_start}")
-        check(self.momentum_warmup >= 0, f"{prefix}.momentum_warmup", f"must be >= 0 (0 = off), got {self.momentum_warmup}")
+        check(0 <= self.momentum_start < 1, f"{prefix}.momentum_start",
+              f"must be in [0, 1), got {self.momentum_start}")
+        check(self.momentum_warmup >= 0, f"{prefix}.momentum_warmup",
+              f"must be >= 0 (0 = off), got {self.momentum_warmup}")
         limit = 5 if self.ns_coefficients == "polar_express" else 50
         check(1 <= self.ns_steps <= limit, f"{prefix}.ns_steps",
               f"must be in 1..{limit} with ns_coefficients {self.ns_coefficients}, got {self.ns_steps}")

@@ -165,7 +165,8 @@ def describe(groups: list[dict], names: dict[int, str]) -> list[str]:
         folded: dict[str, list[int]] = defaultdict(list)
         for p in g["params"]:
             match = re.match(r"layers\.(\d+)\.(.*)", names[id(p)])
-            folded[f"layers.{{}}.{match.group(2)}" if match else names[id(p)]].append(int(match.group(1)) if match else -1)
+            key = f"layers.{{}}.{match.group(2)}" if match else names[id(p)]
+            folded[key].append(int(match.group(1)) if match else -1)
         parts = []
         for pattern, idx in folded.items():
             if "{}" not in pattern:

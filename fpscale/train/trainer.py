@@ -188,7 +188,10 @@ class Trainer:
             attach_layout(optimizer, inner)          # Muon: where its matrices lie in ZeRO's partitions
         self.optimizer = optimizer
         if plan is not None:
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
+            for group, mine in zip(self.optimizer.param_groups, settings):
+                group.update(mine)          # this run's lr_scale, decay, betas, Muon settings, not the saved ones
         self.preempted = False
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,

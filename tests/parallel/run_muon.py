@@ -59,6 +59,7 @@ def whole_params(trainer) -> dict:
     over DP, TP slices gathered over TP (``unshard``)."""
     import deepspeed
     import torch.distributed as dist
+
     from fpscale.parallel.layers import unshard
     model, state = trainer.model, trainer.state
     params = dict(model.named_parameters())

@@ -60,7 +60,8 @@ def test_wsd_that_does_not_fit_names_the_key():
     import fpscale
     from fpscale.errors import ConfigError
     with pytest.raises(ConfigError, match="train.decay_fraction.*exceed train.steps"):
-        fpscale.load_config(None, ["train.schedule=wsd", "train.steps=10", "train.warmup=5", "train.decay_fraction=0.8"])
+        fpscale.load_config(None, ["train.schedule=wsd", "train.steps=10", "train.warmup=5",
+                                   "train.decay_fraction=0.8"])
     with pytest.raises(ConfigError, match="train.decay_fraction"):
         fpscale.load_config(None, ["train.schedule=wsd", "train.decay_fraction=0"])
     with pytest.raises(ConfigError, match="train.decay_shape"):
