@@ -19,7 +19,8 @@ square matrices). Deviations from Attractor stated: its NorMuon-style second mom
 is not applied, and its linear decay of the Muon weight decay to 0 is not (fpscale's decay is constant).
 
 Newton-Schulz: the quintic X <- a X + (b A + c A^2) X, A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315),
-5 steps in bf16 after normalising by the Frobenius norm (muon.py ``zeropower_via_newtonschulz5``), or
+5 steps in bf16 after normalising by the Frobenius norm (muon.py ``zeropower_via_newtonschulz5``; on a CPU,
+where bf16 matmuls are slower than fp32 ones, ``ns_dtype: auto`` runs them in fp32), or
 Attractor's ``polar_express`` coefficients (one triple per step, normalised by 1.02 x the norm). The
 quintic is not exact: it maximises the slope at zero, so the singular values land in about [0.7, 1.2]
 rather than at 1 (muon.py's docstring: "S'_ii ~ Uniform(0.5, 1.5)"); tests/train/test_muon.py
@@ -181,7 +182,8 @@ class MuonAdamW(torch.optim.Optimizer):
             pieces = [torch.empty_like(u) for _ in range(world)]
             dist.all_gather(pieces, u.contiguous(), group=self.tp_group)
             whole = unshard(pieces, meta.partition_dim, getattr(meta, "tp_parts", 1))
-        out = newton_schulz(whole, group["ns_steps"], DTYPES[group["ns_dtype"]], group["ns_coefficients"])
+        dtype = DTYPES.get(group["ns_dtype"]) or (torch.bfloat16 if u.is_cuda else torch.float32)    # auto
+        out = newton_schulz(whole, group["ns_steps"], dtype, group["ns_coefficients"])
         out = out.to(u.dtype) * shape_scale(whole.shape, group["shape_scale"])
         if split:
             out = shard(out, meta.partition_dim, dist.get_rank(self.tp_group), world, getattr(meta, "tp_parts", 1))
