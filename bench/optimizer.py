@@ -11,6 +11,7 @@ table shows what that costs. ``state B/param``: the optimizer state the step kee
 bf16 X, X X^T, its square and the product), computed, per parameter of the block.
 
     python bench/optimizer.py                   # CPU (GPU when present); prints the table, writes JSON
+    python bench/optimizer.py --bf16            # also Newton-Schulz in bf16 on the CPU
     python bench/optimizer.py --repeats 1 --blocks 14 --out /tmp/optimizer.json
 """
 from __future__ import annotations
@@ -86,7 +87,9 @@ def measure(optimizer: str, ns_dtype: str, repeats: int, blocks: int, state=None
         whole = biggest.numel() * tp
         small = min(biggest.shape[-2] * (tp if getattr(biggest, "partition_dim", 0) == 0 else 1), biggest.shape[-1])
         transient = whole * 4 + 2 * (2 * whole + 2 * small * small)
-    return {"optimizer": optimizer if optimizer == "adamw" else f"muon_adamw ({ns_dtype} NS)", "tp": tp,
+    auto = "bf16" if device.type == "cuda" else "fp32"
+    name = optimizer if optimizer == "adamw" else f"muon_adamw ({auto if ns_dtype == 'auto' else ns_dtype} NS)"
+    return {"optimizer": name, "tp": tp,
             "device": str(device), "block s": t_block, "embed+head s": t_rest, "step s (x%d blocks)" % blocks:
             blocks * t_block + t_rest, "block params": block_params,
             "state B/param": state_bytes(block_opt) / block_params, "transient B/param": transient / block_params}
@@ -98,7 +101,7 @@ def worker(rank: int, port: int, repeats: int, blocks: int, queue) -> None:
     torch.set_num_threads(1)
     from fpscale.parallel.state import init_parallel
     state = init_parallel(2)
-    rows = [measure(o, "bf16", repeats, blocks, state) for o in ("adamw", "muon_adamw")]
+    rows = [measure(o, "auto", repeats, blocks, state) for o in ("adamw", "muon_adamw")]
     if rank == 0:
         queue.put(rows)
     state.close()
@@ -109,11 +112,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=14, help="blocks of the model (125m_attn: 14)")
     ap.add_argument("--no-tp", action="store_true", help="skip the TP 2 rows")
+    ap.add_argument("--bf16", action="store_true", help="also Newton-Schulz in bf16 (on a CPU: 8x slower than fp32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [measure(o, d, args.repeats, args.blocks) for o, d in
-            (("adamw", "bf16"), ("muon_adamw", "bf16"), ("muon_adamw", "fp32"))]
+    dtypes = ["auto"] + (["bf16"] if args.bf16 else [])
+    rows = []
+    for o, d in [("adamw", "auto")] + [("muon_adamw", d) for d in dtypes]:
+        rows.append(measure(o, d, args.repeats, args.blocks))
+        print(rows[-1], flush=True)
     if not args.no_tp:
         import socket
 

@@ -7,6 +7,8 @@ and rank, not on the parameters:
       parameter a view into it, so its offset is its data pointer's); the tail padded.
   bf16 (runtime/bf16_optimizer.py, ZeRO-0 and ZeRO-1 in bf16)   ``fp32_groups_flat_partition[i]``:
       the same contiguous slicing of ``bf16_groups_flat[i]``.
+  bf16 without ZeRO (runtime/fp16/unfused_optimizer.py): whole fp32 copies of the parameters; only the
+      TP marks are copied onto them.
   ZeRO-3 (runtime/zero/stage3.py)   ``fp32_partitioned_groups_flat[k]`` per sub-group k (stepped one
       at a time): the concatenation of its parameters' own partitions (``ds_tensor``, each parameter
       flattened and cut in ``partition_numel`` pieces, rank r the r-th, the last padded).
@@ -87,6 +89,15 @@ def attach(ds_optimizer, optimizer) -> int:
             ds_optimizer.fp32_groups_flat_partition
     elif name == "DeepSpeedZeroOptimizer_Stage3":
         return _attach_stage3(ds_optimizer, optimizer)
+    elif name == "FP16_UnfusedOptimizer":
+        # bf16 without ZeRO: whole fp32 copies of each parameter (runtime/fp16/unfused_optimizer.py
+        # ``p.clone().float().detach()``), which carry none of the TP marks the gather reads
+        for i in muon:
+            for low, high in zip(ds_optimizer.fp16_groups[i], ds_optimizer.fp32_groups[i]):
+                for mark in ("tensor_model_parallel", "partition_dim", "tp_parts"):
+                    if hasattr(low, mark):
+                        setattr(high, mark, getattr(low, mark))
+        return len(muon)
     else:
         raise NotImplementedError(f"train.optimizer: muon_adamw does not know DeepSpeed's {name}")
     for i in muon:

@@ -2,7 +2,7 @@
 
     python tests/parallel/run_muon.py OUT ref                       # one process, the reference
     torchrun --nproc_per_node 4 tests/parallel/run_muon.py OUT grid   # TP2 x DP2 ZeRO-1
-    torchrun --nproc_per_node 2 tests/parallel/run_muon.py OUT pairs  # TP2, DP2 ZeRO-1/2/3, resumes
+    torchrun --nproc_per_node 2 tests/parallel/run_muon.py OUT pairs  # TP2, DP2 ZeRO-1/2/3 (+ bf16 0-2), resumes
 
 Every run trains 5 steps and saves at step 3 and 5 (OUT/<run>/checkpoints); ``pairs`` also resumes
 TP2 and DP2 ZeRO-1 from their step-3 checkpoints (``<run>_resumed``) and DP2 ZeRO-1 from the grid's
@@ -96,6 +96,9 @@ def main():
         for zero in (1, 2, 3):
             runs[f"dp2_zero{zero}"] = train(out, f"dp2_zero{zero}", [f"parallel.zero_stage={zero}"], dp2,
                                             ZERO3 if zero == 3 else None)
+        for zero in (0, 1, 2):            # bf16: ZeRO-0/1 step through DeepSpeed's BF16_Optimizer, ZeRO-2 its own
+            runs[f"dp2_zero{zero}_bf16"] = train(out, f"dp2_zero{zero}_bf16", [f"parallel.zero_stage={zero}",
+                                                                            "train.precision=bf16"], dp2)
         runs["dp2_zero1_resumed"] = train(out, "dp2_zero1_resumed", ["parallel.zero_stage=1",
                                                                      f"train.resume={step3(out, 'dp2_zero1')}"], dp2)
         grid = os.path.join(os.path.dirname(out.rstrip("/")), "grid")
