@@ -38,33 +38,36 @@ def main():
                                           p.add_argument("--seq-len", type=int, default=128),
                                           p.add_argument("--batch", type=int, default=16),
                                           p.add_argument("--models", default=",".join(MODELS)),
+                                          p.add_argument("--seeds", default=",".join(map(str, SEEDS))),
+                                          p.add_argument("--reverse", action="store_true",
+                                                         help="train the runs in reverse order (a second process "
+                                                              "working from the other end; kept runs are reused)"),
                                           p.add_argument("--no-train", action="store_true",
                                                          help="the table of the kept runs only")))
     models = args.models.split(",")
-    lrs, seeds = (LRS, SEEDS)
+    lrs, seeds = LRS, tuple(int(x) for x in args.seeds.split(","))
     if args.quick:
         models, lrs, seeds = models[:1], LRS[1:2], SEEDS[:1]
     runs_dir = os.path.join(args.out, "runs")
     runs = {}
     tag = "quick" if args.quick else f"{args.steps}x{args.batch}x{args.seq_len}"
-    for seed in seeds:            # a whole table per seed first: a run cut short still has one
-        for model in models:
-            for opt, over in OPTIMIZERS.items():
-                for lr in lrs:
-                    name = f"opt_{tag}_{model}_{opt}_lr{lr:g}_s{seed}"
-                    extra = QUICK_LM if args.quick else overrides(args.steps, args.seq_len, args.batch)
-                    if args.no_train:
-                        path = os.path.join(runs_dir, f"{name}.result.json")
-                        if not os.path.exists(path):
-                            continue
-                        with open(path) as fh:
-                            r = json.load(fh)
-                    else:
-                        print(f"== {name}", flush=True)
-                        r = train_lm(model, [*over, f"train.lr={lr}", f"train.min_lr={lr / 10}", f"seed={seed}",
-                                             *extra], name, runs_dir, reuse=not (args.fresh or args.quick),
-                                     data=args.data)
-                    runs[name] = {"model": model, "optimizer": opt, "lr": lr, "seed": seed, **r}
+    plan = [(seed, model, opt, over, lr) for seed in seeds for model in models       # a whole table per seed first
+            for opt, over in OPTIMIZERS.items() for lr in lrs]
+    for seed, model, opt, over, lr in reversed(plan) if args.reverse else plan:
+        name = f"opt_{tag}_{model}_{opt}_lr{lr:g}_s{seed}"
+        extra = QUICK_LM if args.quick else overrides(args.steps, args.seq_len, args.batch)
+        if args.no_train:
+            path = os.path.join(runs_dir, f"{name}.result.json")
+            if not os.path.exists(path):
+                continue
+            with open(path) as fh:
+                r = json.load(fh)
+        else:
+            print(f"== {name}", flush=True)
+            r = train_lm(model, [*over, f"train.lr={lr}", f"train.min_lr={lr / 10}", f"seed={seed}",
+                                 *extra], name, runs_dir, reuse=not (args.fresh or args.quick),
+                         data=args.data)
+        runs[name] = {"model": model, "optimizer": opt, "lr": lr, "seed": seed, **r}
     rows = []
     for model in models:
         for opt in OPTIMIZERS:
