@@ -2,9 +2,9 @@
 schedule, train.lr swept over three values for each optimizer, two seeds; validation perplexity at the end
 and the looped layers' mean solver iterations at validation.
 
-MuonAdamW here: Muon (Nesterov 0.95, 5 quintic Newton-Schulz steps (fp32 on the CPU: ns_dtype auto), Moonlight's shape scale so
-Muon shares train.lr with the AdamW groups, cautious decoupled weight decay 0.1) for the blocks' matrices,
-AdamW for embeddings, norms and scalars (fpscale/train/optimizers.py).
+MuonAdamW here: Muon (Nesterov 0.95, 5 quintic Newton-Schulz steps, in fp32 on the CPU: ns_dtype auto;
+Moonlight's shape scale so Muon shares train.lr with the AdamW groups; cautious decoupled weight decay 0.1)
+for the blocks' matrices, AdamW for embeddings, norms and scalars (fpscale/train/optimizers.py).
 
     PYTHONPATH=. python experiments/optimizers.py --quick        # seconds: pipeline check
     PYTHONPATH=. python experiments/optimizers.py --threads 1 --steps 60 --batch 8 --seq-len 64
