@@ -39,20 +39,23 @@ def main():
                                           p.add_argument("--batch", type=int, default=16),
                                           p.add_argument("--models", default=",".join(MODELS)),
                                           p.add_argument("--seeds", default=",".join(map(str, SEEDS))),
+                                          p.add_argument("--lrs", default=",".join(map(str, LRS))),
+                                          p.add_argument("--optimizers", default=",".join(OPTIMIZERS)),
                                           p.add_argument("--reverse", action="store_true",
                                                          help="train the runs in reverse order (a second process "
                                                               "working from the other end; kept runs are reused)"),
                                           p.add_argument("--no-train", action="store_true",
                                                          help="the table of the kept runs only")))
     models = args.models.split(",")
-    lrs, seeds = LRS, tuple(int(x) for x in args.seeds.split(","))
+    lrs, seeds = tuple(float(x) for x in args.lrs.split(",")), tuple(int(x) for x in args.seeds.split(","))
+    optimizers = {k: OPTIMIZERS[k] for k in args.optimizers.split(",")}
     if args.quick:
         models, lrs, seeds = models[:1], LRS[1:2], SEEDS[:1]
     runs_dir = os.path.join(args.out, "runs")
     runs = {}
     tag = "quick" if args.quick else f"{args.steps}x{args.batch}x{args.seq_len}"
     plan = [(seed, model, opt, over, lr) for seed in seeds for model in models       # a whole table per seed first
-            for opt, over in OPTIMIZERS.items() for lr in lrs]
+            for opt, over in optimizers.items() for lr in lrs]
     for seed, model, opt, over, lr in reversed(plan) if args.reverse else plan:
         name = f"opt_{tag}_{model}_{opt}_lr{lr:g}_s{seed}"
         extra = QUICK_LM if args.quick else overrides(args.steps, args.seq_len, args.batch)
@@ -75,6 +78,7 @@ def main():
                 rs = [r for r in runs.values() if r["model"] == model and r["optimizer"] == opt and r["lr"] == lr]
                 if not rs:
                     continue
+                rs.sort(key=lambda r: r["seed"])
                 ppl = [r["val_ppl"] for r in rs]
                 iters = [st["iters_mean"] for r in rs for st in r["layers"].values() if "iters_mean" in st]
                 rows.append([model, opt, lr, " / ".join(f"{p:.1f}" for p in ppl), statistics.mean(ppl),
