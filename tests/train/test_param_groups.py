@@ -42,7 +42,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fpscale.errors import ConfigError  # noqa: E402
-from fpscale.models.registry import LAYER_TYPES  # noqa: E402
+from fpscale.layers.registry import LAYER_TYPES  # noqa: E402
 from fpscale.train.muon import MuonAdamW  # noqa: E402
 from fpscale.train.optimizers import NOT_A_MATRIX, assign, build_optimizer  # noqa: E402
 
