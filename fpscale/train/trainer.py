@@ -33,10 +33,9 @@ from fpscale.train.deepspeed_config import deepspeed_config
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.imbalance import dp_imbalance
 from fpscale.train.metrics import MetricsWriter, peak_memory_gib, perplexity, reset_peak_memory, summarize_layers
-from fpscale.train.optim import AdamW
+from fpscale.train.optimizers import apply_schedule, attach_layout, build_optimizer, param_groups  # noqa: F401
 from fpscale.train.precision import autocast, set_matmul_precision
 from fpscale.train.resume import plan_resume, resume
-from fpscale.train.schedule import lr_at
 from fpscale.train.signals import StepBoundary
 from fpscale.train.state import TrainState
 from fpscale.train.validation import depth_scalars, validate, validate_depths
@@ -74,19 +73,6 @@ def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
     except checkpoint.CheckpointError as exc:
         raise checkpoint.CheckpointError(f"train.init_weights: {exc}") from None
     return model
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; skip 1-D parameters (biases, scalars), embeddings, norms by name (the
-    looped core stacks its norm weights per block: 2-D, yet no matrix) and what a layer marks
-    ``_no_weight_decay`` (mamba_ssm's convention: FP-Mamba's A_log)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.dim() < 2 or "embed" in name or "norm" in name or getattr(p, "_no_weight_decay", False)
-        (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +168,10 @@ class Trainer:
         self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
         self.progress = TrainState(self.batches, rng)
-        optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        optimizer, groups = build_optimizer(self.model, cfg, self.state.tp_group)
+        if self.state.is_main and log:
+            for line in groups:
+                logger.info(line)
         self.run_dir = os.path.join(t.out_dir, cfg.name)
         plan = plan_resume(cfg, self.state, self.run_dir, self.model, self.progress)
         self.engine = None
@@ -192,13 +181,18 @@ class Trainer:
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             universal = plan is not None and plan.universal
+            inner = optimizer
             self.engine, optimizer, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer,
                 config={**deepspeed_config(cfg, self.batch, universal), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
+            attach_layout(optimizer, inner)          # Muon: where its matrices lie in ZeRO's partitions
         self.optimizer = optimizer
         if plan is not None:
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
+            for group, mine in zip(self.optimizer.param_groups, settings):
+                group.update(mine)          # this run's lr_scale, decay, betas, Muon settings, not the saved ones
         self.preempted = False
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,
@@ -244,9 +238,7 @@ class Trainer:
         model = self.model
         model.train()
         model.set_step(self.progress.step)
-        lr = lr_at(self.progress.step, t.lr, t.min_lr, t.warmup, t.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = apply_schedule(self.optimizer.param_groups, self.progress.step, t)
         micro_batches = self.batches.next_global_batch()
         # cross-entropy and the auxiliary losses (epsilon's KL), summed on the device
         total = torch.zeros(2, dtype=torch.float64, device=self.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "stability", "induction",
-               "copy_task", "length_generalisation", "trainability", "sudoku", "classify"]
+               "copy_task", "length_generalisation", "trainability", "sudoku", "classify", "optimizers"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
