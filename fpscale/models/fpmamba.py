@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,9 @@ class FPMambaSpec(FixedPointSpec):
       weight_norm     false (fpscale) | true (authors)
       kronecker_norm  eigenvalue (fpscale: a bound on lambda_max, ||K|| <= 1) | rows (authors)
       mixer_bias_init the mixer coefficients' logit bias: -2.0 (fpscale) | 0.0 (authors)
+      init            fpscale: N(0, init_std), GPT-2-scaled w_out | authors (the presets' value):
+                      nn.Linear's U(+-1/sqrt(fan_in)) on the input, conv, x, dt and output
+                      projections and the mixer's x-halves (``FPMambaMixer.init_authors``)
     """
 
     type: str = "fpmamba"
@@ -151,11 +154,16 @@ class FPMambaSpec(FixedPointSpec):
     weight_norm: bool | None = None
     kronecker_norm: Literal["eigenvalue", "rows"] | None = None
     mixer_bias_init: float | None = None
+    init: str | None = None      # type: ignore[assignment]   (None: the preset's, else fpscale)
+
+    inits: ClassVar[tuple[str, ...]] = ("fpscale", "authors")
 
     def __post_init__(self):
         """Resolve every unset switch from the preset, else fpscale's ``DEFAULTS``; the preset's
         solver constants go under this layer's solver overrides (the layer's own keys win)."""
         preset = PRESETS.get(self.preset, {})
+        if self.init is None:
+            self.init = "authors" if self.preset != "none" else "fpscale"
         for name, default in DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
@@ -299,9 +307,57 @@ class FPMambaMixer(FixedPointLayer):
         # weight norm W = g v / ||v||: the stored weights are v, each group's gain g starts at ||v||
         self.wn_groups = (weight_norm_groups(spec.mixer, self.y_proj is not None, self.z_y_proj is not None)
                           if spec.weight_norm else {})
+        for gain in self.wn_groups:
+            self.register_parameter(gain, torch.nn.Parameter(torch.empty(0)))
+        self.reset_gains()
+
+    def reset_gains(self) -> None:
+        """Each weight-norm gain g = ||v|| of its group's rows: W = g v / ||v|| starts at v."""
         for gain, names in self.wn_groups.items():
             sq = sum(getattr(self, n).detach().pow(2).sum(1) for n in names if getattr(self, n, None) is not None)
-            self.register_parameter(gain, torch.nn.Parameter(sq.sqrt()))
+            getattr(self, gain).data = sq.sqrt()
+
+    @torch.no_grad()
+    def init_authors(self, n_layer: int) -> None:
+        """``init: authors``: the weights of the static path as dr-faustus/fp-rnn starts them. Their
+        ``FPMamba`` (models/fp_mamba_block.py) builds every projection as an ``nn.Linear`` (PyTorch's
+        default: kaiming_uniform a = sqrt(5), i.e. U(+-1/sqrt(fan_in))), and their LM
+        (models/fp_lm.py lines 151-158 and 233-239) then applies mamba_ssm's ``_init_weights``
+        (state-spaces/mamba mamba_ssm/models/mixer_seq_simple.py lines 92-121), which zeroes the
+        Linear biases (all but dt_proj's, marked ``_no_reinit``, line 138), draws embeddings from
+        N(0, 0.02) (fpscale's too) and redraws ``out_proj`` as kaiming_uniform / sqrt(n_layer)
+        (its ``n_residuals_per_layer`` is 1: the LM's second application, without the MLP count,
+        is the last). So, against fpscale's N(0, init_std):
+          w_in       U(+-1/sqrt(d_model))          in_proj, line 94 (bias=False)
+          conv       weight and bias U(+-1/sqrt(d_conv))   nn.Conv1d's default, lines 96-105
+                     (``_init_weights`` touches Linear and Embedding only)
+          x_proj     U(+-1/sqrt(d_inner))          lines 114-116 (bias=False)
+          dt_proj    U(+-dt_rank^-0.5)             lines 119-124 (dt_scale 1; = nn.Linear's bound);
+                     dt_bias as fpscale's (lines 129-136: softplus^-1 of log-uniform [1e-3, 1e-1])
+          w_out      U(+-1/sqrt(d_inner)) / sqrt(n_layer)   line 187 and _init_weights lines 113-121
+          mixer x-halves  U(+-1/sqrt(fan_in)), fan_in = 2 d_inner (their one Linear of [x; y],
+                     models/mixer.py lines 41 and 47 with fp_mamba_block.py lines 150-153; d_inner
+                     without y feedback); the coefficient bias is ``mixer_bias_init`` (theirs 0:
+                     zeroed by ``_init_weights``)
+        The y-feedback weights follow ``feedback_init`` (the preset's ``linear`` is theirs), A_log,
+        D and the output norm start as theirs already. The weight-norm gains are recomputed from
+        the redrawn weights (``weight_norm`` builds g = ||v|| at construction, as here)."""
+        def uniform(w: torch.Tensor | None, fan_in: int, scale: float = 1.0) -> None:
+            if w is not None:
+                w.uniform_(-fan_in ** -0.5, fan_in ** -0.5).mul_(scale)
+
+        uniform(self.w_in, self.w_in.shape[1])
+        if self.conv_w is not None:
+            uniform(self.conv_w, self.d_conv)
+            uniform(self.conv_b, self.d_conv)
+        uniform(self.x_proj, self.d_inner)
+        uniform(self.dt_proj, self.dt_rank)
+        uniform(self.w_out, self.d_inner, n_layer ** -0.5)
+        fan_in = 2 * self.d_inner if self.y_feedback else self.d_inner
+        for name, p in self.mixer_params().items():
+            if name.endswith("_x"):
+                uniform(p, fan_in)
+        self.reset_gains()
 
     def tp_plan(self) -> dict[str, TPSplit]:
         """By d_inner channels: in-projection rows ([x; gate] channels), conv / dt / A / D / output
@@ -449,6 +505,8 @@ class FPMambaBlock(torch.nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = self.mixer_class(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
+        if spec.init == "authors":           # (a type without it never validates init: authors)
+            self.mixer.init_authors(n_layer=len(cfg.expanded_layers()))
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if spec.mlp else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
