@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "stability", "induction",
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "state_tracking_rerun", "stability", "induction",
                "copy_task", "length_generalisation", "trainability", "sudoku", "classify"]
 
 
