@@ -49,7 +49,8 @@ def test_the_check_prints_expected_beside_measured(tmp_path):
     expected = quickstart_check.expected_figure()
     out = run_check(tmp_path, expected["val_ppl"] + 0.001, expected["iterations"])
     assert out.returncode == 0
-    assert f"validation perplexity: expected {expected['val_ppl']:.2f}, measured {expected['val_ppl']:.2f}" in out.stdout
+    ppl = f"{expected['val_ppl']:.2f}"
+    assert f"validation perplexity: expected {ppl}, measured {ppl}" in out.stdout
     assert "matches the README's" in out.stdout and "DIFFERS" not in out.stderr
     out = run_check(tmp_path, 176.63, {**expected["iterations"], "fpmamba": 8.0}, name="other")
     assert f"expected {expected['val_ppl']:.2f}, measured 176.63" in out.stdout

@@ -12,7 +12,8 @@ from fpscale.data import corpus
 @pytest.fixture
 def no_apt(monkeypatch):
     def fail(cmd, cwd):
-        raise RuntimeError(f"'{' '.join(cmd)}' failed: E: Version '3.11.2-6+deb12u9' for 'python3.11-doc' was not found")
+        raise RuntimeError(f"'{' '.join(cmd)}' failed: E: Version '3.11.2-6+deb12u9' for 'python3.11-doc' "
+                           "was not found")
     monkeypatch.setattr(corpus, "_run", fail)
     monkeypatch.setattr(corpus, "apt_candidate", lambda package: "3.11.2-6+deb12u8")
     monkeypatch.delenv(corpus.UNPINNED_ENV, raising=False)

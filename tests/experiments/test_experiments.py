@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "state_tracking_rerun", "stability", "induction",
-               "copy_task", "length_generalisation", "trainability", "sudoku", "classify"]
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "state_tracking_rerun",
+               "stability", "induction", "copy_task", "length_generalisation", "trainability", "sudoku", "classify"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
