@@ -96,6 +96,9 @@ def run(args, key: str, seed: int, steps: int, lengths, n_eval) -> dict:
         with open(path + ".json") as fh:
             res = json.load(fh)
         model.load_state_dict(torch.load(path + ".pt"))
+        # the first evaluation (and the commit that trained) are kept beside the new one
+        res.setdefault("by_length_first", res["by_length"])
+        res.setdefault("commit_trained", res.get("commit", ""))
     else:
         train = task(group, TRAIN_LEN, 1, args.conventions, True)
         stopped = []
@@ -145,6 +148,13 @@ def report(args) -> None:
                  [f"iters@{n}" for n in (16, 64) if n in lengths] + ["train s", "eval s", "commit"], rows,
                  "S3 state tracking, trained at length 16 (cap 16), evaluated at cap 64: accuracy of the state "
                  "after n elements")
+    first = [r for r in runs if "by_length_first" in r]
+    if first:
+        text += "\n" + table(["model", "seed", "trained at", "evaluated at"] + [f"acc@{n}" for n in lengths],
+                              [[r["model"], r["seed"], r["commit_trained"], r["commit_trained"]] +
+                               [r["by_length_first"].get(str(n), {}).get("last_acc", float("nan")) for n in lengths]
+                               for r in first],
+                              "the same weights as first evaluated (before --eval-only)")
     fig = plt().figure(figsize=(9, 3.6))
     ax = fig.add_subplot(1, 2, 1)
     for r in runs:
