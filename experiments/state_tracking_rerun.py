@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
 from experiments.state_tracking import FP_SOLVER, TRAIN_LEN, D  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask, authors_short_fraction, group_elements  # noqa: E402
-from fpscale.models.fpmamba import AUTHORS_SOLVER  # noqa: E402
+from fpscale.layers.fpmamba import AUTHORS_SOLVER  # noqa: E402
 
 MIX = {"mixer": "householder", "mixer_rank": 4, "d_state": 8}
 MODELS = {

