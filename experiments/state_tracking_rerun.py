@@ -90,7 +90,11 @@ def run(args, key: str, seed: int, steps: int, lengths, n_eval) -> dict:
     folder = os.path.join(args.out, "rerun_quick" if args.quick else "rerun")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, tag)
-    model, _ = small_model(vocab, D, layers, FP_SOLVER, max_seq_len=max(lengths) + 1, seed=seed)
+    solver = dict(FP_SOLVER)
+    if args.eval_only and args.eval_solver:    # e.g. decisions=sample: the rule the weights were trained with
+        import yaml
+        solver.update({k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.eval_solver.split(","))})
+    model, _ = small_model(vocab, D, layers, solver, max_seq_len=max(lengths) + 1, seed=seed)
     torch.set_num_threads(args.threads)
     if args.eval_only:
         with open(path + ".json") as fh:
@@ -99,6 +103,7 @@ def run(args, key: str, seed: int, steps: int, lengths, n_eval) -> dict:
         # the first evaluation (and the commit that trained) are kept beside the new one
         res.setdefault("by_length_first", res["by_length"])
         res.setdefault("commit_trained", res.get("commit", ""))
+        res["eval_solver"] = args.eval_solver
     else:
         train = task(group, TRAIN_LEN, 1, args.conventions, True)
         stopped = []
@@ -124,19 +129,26 @@ def run(args, key: str, seed: int, steps: int, lengths, n_eval) -> dict:
     import subprocess
     res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    with open(path + ".json", "w") as fh:
+    out = path + (f".eval_{args.eval_solver.replace('=', '-').replace(',', '_')}" if args.eval_only and args.eval_solver
+                  else "") + ".json"
+    with open(out, "w") as fh:
         json.dump(res, fh, indent=1)
     accs = " ".join(f"{n}:{v['last_acc']:.2f}" for n, v in res["by_length"].items())
     print(f"{tag}: final loss {res['final_loss']:.4f}, accuracy {accs}, train {res['train_s']:.0f} s, "
-          f"eval {res['eval_s']:.0f} s -> {path}.json", flush=True)
+          f"eval {res['eval_s']:.0f} s -> {out}", flush=True)
     return res
 
 
 def report(args) -> None:
     runs = []
+    variants: dict[str, list] = {}
     for p in sorted(glob.glob(os.path.join(args.out, "rerun_quick" if args.quick else "rerun", "*.json"))):
         with open(p) as fh:
-            runs.append(json.load(fh))
+            r = json.load(fh)
+        if ".eval_" in os.path.basename(p):
+            variants.setdefault(r["eval_solver"], []).append(r)
+        else:
+            runs.append(r)
     runs.sort(key=lambda r: (list(MODELS).index(r["key"]), r["seed"], r["settings"]["steps"]))
     lengths = sorted({int(n) for r in runs for n in r["by_length"]})
     rows = [[r["model"], r["seed"], f"{r.get('steps_run', r['settings']['steps'])}/{r['settings']['steps']}",
@@ -148,6 +160,12 @@ def report(args) -> None:
                  [f"iters@{n}" for n in (16, 64) if n in lengths] + ["train s", "eval s", "commit"], rows,
                  "S3 state tracking, trained at length 16 (cap 16), evaluated at cap 64: accuracy of the state "
                  "after n elements")
+    for keys, rs in variants.items():
+        rs.sort(key=lambda r: (list(MODELS).index(r["key"]), r["seed"]))
+        text += "\n" + table(["model", "seed"] + [f"acc@{n}" for n in lengths] + [f"iters@{n}" for n in lengths],
+                              [[r["model"], r["seed"]] + [r["by_length"][str(n)]["last_acc"] for n in lengths] +
+                               [r["by_length"][str(n)]["iters"] for n in lengths] for r in rs],
+                              f"the same weights evaluated with solver {keys} (at {rs[0].get('commit', '')})")
     first = [r for r in runs if "by_length_first" in r]
     if first:
         text += "\n" + table(["model", "seed", "trained at", "evaluated at"] + [f"acc@{n}" for n in lengths],
@@ -178,6 +196,8 @@ def main():
         p.add_argument("--steps", type=int, default=STEPS),
         p.add_argument("--conventions", default="authors", choices=["authors", "plain"]),
         p.add_argument("--eval-only", action="store_true", help="re-evaluate the saved weights of the run"),
+        p.add_argument("--eval-solver", default="", help="with --eval-only: solver keys for the evaluation, "
+                                                         "k=v[,k=v] (written to <tag>.eval_<keys>.json)"),
         p.add_argument("--deadline", default="", help="HH:MM UTC: stop training at the first log step after it "
                                                       "(the schedule stays the one for --steps; the JSON says where)"),
         p.add_argument("--report", action="store_true", help="gather the runs: table, JSON, PNG")))
