@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,7 @@ from fpscale.layers.common import (
     wide,
 )
 from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.fpmamba_init import init_authors
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.step_cache import StepCache, replace
@@ -130,6 +131,9 @@ class FPMambaSpec(FixedPointSpec):
       weight_norm     false (fpscale) | true (authors)
       kronecker_norm  eigenvalue (fpscale: a bound on lambda_max, ||K|| <= 1) | rows (authors)
       mixer_bias_init the mixer coefficients' logit bias: -2.0 (fpscale) | 0.0 (authors)
+      init            fpscale: N(0, init_std), GPT-2-scaled w_out | authors (the presets' value):
+                      nn.Linear's U(+-1/sqrt(fan_in)) on the input, conv, x, dt and output
+                      projections and the mixer's x-halves (``FPMambaMixer.init_authors``)
     """
 
     type: str = "fpmamba"
@@ -152,11 +156,16 @@ class FPMambaSpec(FixedPointSpec):
     weight_norm: bool | None = None
     kronecker_norm: Literal["eigenvalue", "rows"] | None = None
     mixer_bias_init: float | None = None
+    init: str | None = None      # type: ignore[assignment]   (None: the preset's, else fpscale)
+
+    inits: ClassVar[tuple[str, ...]] = ("fpscale", "authors")
 
     def __post_init__(self):
         """Resolve every unset switch from the preset, else fpscale's ``DEFAULTS``; the preset's
         solver constants go under this layer's solver overrides (the layer's own keys win)."""
         preset = PRESETS.get(self.preset, {})
+        if self.init is None:
+            self.init = "authors" if self.preset != "none" else "fpscale"
         for name, default in DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
@@ -300,9 +309,19 @@ class FPMambaMixer(FixedPointLayer):
         # weight norm W = g v / ||v||: the stored weights are v, each group's gain g starts at ||v||
         self.wn_groups = (weight_norm_groups(spec.mixer, self.y_proj is not None, self.z_y_proj is not None)
                           if spec.weight_norm else {})
+        for gain in self.wn_groups:
+            self.register_parameter(gain, torch.nn.Parameter(torch.empty(0)))
+        self.reset_gains()
+
+    def reset_gains(self) -> None:
+        """Each weight-norm gain g = ||v|| of its group's rows: W = g v / ||v|| starts at v."""
         for gain, names in self.wn_groups.items():
             sq = sum(getattr(self, n).detach().pow(2).sum(1) for n in names if getattr(self, n, None) is not None)
-            self.register_parameter(gain, torch.nn.Parameter(sq.sqrt()))
+            getattr(self, gain).data = sq.sqrt()
+
+    def init_authors(self, n_layer: int) -> None:
+        """``init: authors``: dr-faustus/fp-rnn's initialisation (fpscale.layers.fpmamba_init)."""
+        init_authors(self, n_layer)
 
     def tp_plan(self) -> dict[str, TPSplit]:
         """By d_inner channels: in-projection rows ([x; gate] channels), conv / dt / A / D / output
@@ -458,6 +477,8 @@ class FPMambaBlock(torch.nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = self.mixer_class(cfg.d_model, spec, solver, cfg.init_std, cfg.out_init_std(), cfg.norm_eps)
+        if spec.init == "authors":           # (a type without it never validates init: authors)
+            self.mixer.init_authors(n_layer=len(cfg.expanded_layers()))
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if spec.mlp else None
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, cfg.out_init_std()) if spec.mlp else None
         self.dropout = cfg.dropout
