@@ -1,6 +1,6 @@
 """``init: authors`` for ``fpmamba`` (issue 36): the weights of the static path as dr-faustus/fp-rnn starts
-them. ``init_authors`` is ``FPMambaMixer.init_authors``, kept apart from fpscale/layers/fpmamba.py (over
-400 lines) because it is a table of the authors' draws, cited line by line, not part of the layer's math.
+them. ``init_authors`` is ``FPMambaMixer.init_authors`` (fpscale/layers/fpmamba_map.py), kept apart because it
+is a table of the authors' draws, cited line by line, not part of the layer's math.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_init_is_a_validated_per_layer_key():
 def test_init_authors_still_matches_the_float64_reference():
     """The authors' preset at its own initialisation (no randomising of the parameters) is still
     one application of the authors' f, written out in float64 (test_fpmamba_switches' reference)."""
-    from fpscale.layers.fpmamba import FPMambaMixer
+    from fpscale.layers.fpmamba_map import FPMambaMixer
     from fpscale.solvers import SolverConfig
     from tests.layers.test_fpmamba_switches import inputs, module_apply, reference, sw_of
     torch.manual_seed(0)
