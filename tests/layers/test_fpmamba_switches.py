@@ -261,7 +261,7 @@ def test_authors_lm_output_is_layernormed_and_y_reaches_b_c_not_delta(monkeypatc
         seen.append((delta, Bm, Cm))
         return real_scan(x_t, delta, A, Bm, Cm, h0)
 
-    import fpscale.layers.fpmamba_map as fpm      # the map calls the scan
+    import fpscale.layers.fpmamba_map as fpm  # the map calls the scan
     real_scan = fpm.scan
     monkeypatch.setattr(fpm, "scan", spy)
     with torch.no_grad():
