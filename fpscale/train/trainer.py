@@ -23,6 +23,7 @@ from fpscale.ops import kernels
 from fpscale.parallel import agree
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
+from fpscale.parallel.compile import apply_compile
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
@@ -175,6 +176,9 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
+        compiled = apply_compile(self.model, t.compile)  # train.compile (fpscale/parallel/compile.py)
+        if compiled and self.state.is_main and log:
+            logger.info("train.compile = %s: %s", t.compile, ", ".join(compiled))
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
