@@ -21,9 +21,9 @@ from fpscale.log import get_logger
 from fpscale.models import build_model
 from fpscale.ops import kernels
 from fpscale.parallel import agree
+from fpscale.parallel.compile import apply_compile
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
-from fpscale.parallel.compile import apply_compile
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
