@@ -102,6 +102,7 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, running, iters,
 
 
 _compiled_chunk = torch.compile(_chunk, fullgraph=True, dynamic=False)
+COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
 
 
 def check_chunked(cfg: SolverConfig, carry: Carry | None = None) -> None:
@@ -146,7 +147,7 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     reason = torch.zeros((), dtype=torch.long, device=dev)
     cap = torch.full((), max_iter, dtype=torch.long, device=dev)
     code = getattr(step, "__code__", None)
-    traced = (not torch.is_grad_enabled() and consensus is None and state_reduce is None and agree is None
+    traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None and agree is None
               and code not in _UNTRACEABLE)
     state = (z, eta, best, patience_left, frozen, token_res, running, iters, reason)
     done = False

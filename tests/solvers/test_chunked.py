@@ -1,0 +1,133 @@
+"""``solver.chunk: K`` (fpscale.solvers.chunked): the chunked loop equals the eager loop (iterates,
+iteration counts, stop reasons, damping, losses and gradients, float64), reads the host once per
+chunk, and compiles into one graph that no iteration count recompiles.
+
+The semantics tests run the chunk eager (``chunked.COMPILE = False``: the same function, without
+Inductor's minutes on a shared CPU); the compiled chunk is checked by the slow tests at the end."""
+import math
+
+import pytest
+import torch
+
+import fpscale.solvers.chunked as chunked
+from fpscale.errors import ConfigError
+from fpscale.solvers import SolverConfig, solve
+from fpscale.solvers.host_reads import count_host_reads
+from fpscale.solvers.iterate import iterate
+from tests.models.helpers import tiny_model, token_batches
+
+
+@pytest.fixture
+def eager_chunks(monkeypatch):
+    monkeypatch.setattr(chunked, "COMPILE", False)
+
+
+def contraction(B=6, T=5, D=4, seed=0, scale=None):
+    """A map whose samples and tokens converge at different rates (per-sample contraction)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(D, D, generator=g, dtype=torch.float64) / D ** 0.5
+    x = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    s = torch.linspace(0.3, 1.1, B, dtype=torch.float64)[:, None, None] if scale is None else scale
+    return lambda z: torch.tanh(s * (z @ W) + x), torch.zeros(B, T, D, dtype=torch.float64)
+
+
+CASES = {
+    "quantile": dict(tol=1e-6, stop_quantile=0.25),
+    "all": dict(tol=1e-6, stop_quantile=0.0, max_iter=40),
+    "freeze": dict(tol=1e-4, freeze_converged=True, stop_quantile=0.0),
+    "patience": dict(tol=1e-9, patience=2, decay=0.5, eta_min=0.05, max_iter=60),
+    "best_l2": dict(tol=1e-5, stop_residual="best", norm="l2", damping=0.8),
+    "cap": dict(tol=0.0, max_iter=7),
+}
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_loop_equals_the_eager_loop(case, K, eager_chunks):
+    f, z0 = contraction()
+    cfg = SolverConfig(**CASES[case])
+    for training in (True, False):
+        a, sa = solve(f, z0, cfg, training=training)
+        b, sb = solve(f, z0, SolverConfig(**CASES[case], chunk=K), training=training)
+        assert (sb.iterations, sb.stopped_by) == (sa.iterations, sa.stopped_by)
+        assert torch.equal(b, a)
+        assert torch.equal(sb.final_eta, sa.final_eta) and torch.equal(sb.token_converged, sa.token_converged)
+        assert torch.equal(sb.sample_residual, sa.sample_residual)
+
+
+def test_padding_and_carry_as_eager(eager_chunks):
+    f, z0 = contraction()
+    real = torch.ones(z0.shape[:2], dtype=torch.bool)
+    real[1, :2] = False
+    cfg = SolverConfig(tol=1e-5, freeze_converged=True, patience=2, decay=0.5)
+    first = iterate(f, z0, cfg, quantile=0.0, max_iter=4, real=real)
+    a = iterate(f, first.z, cfg, quantile=0.0, max_iter=9, real=real, carry=first.carry)
+    firstc = chunked.run_loop(f, z0, SolverConfig(**{**vars(cfg), "chunk": 3}), quantile=0.0, max_iter=4, real=real)
+    b = chunked.run_loop(f, firstc.z, SolverConfig(**{**vars(cfg), "chunk": 3}), quantile=0.0, max_iter=9, real=real,
+                         carry=firstc.carry)
+    assert torch.equal(firstc.z, first.z) and (b.iterations, b.stopped_by) == (a.iterations, a.stopped_by)
+    assert torch.equal(b.z, a.z) and torch.equal(b.carry.frozen, a.carry.frozen)
+    assert torch.equal(b.carry.patience_left, a.carry.patience_left) and torch.equal(b.carry.best, a.carry.best)
+
+
+def test_nonfinite_residual_stops_where_eager_stops(eager_chunks):
+    calls = {"n": 0}
+
+    def f(z):
+        calls["n"] += 1
+        out = 0.5 * z + 1
+        return out * float("nan") if calls["n"] == 5 else out
+    z0 = torch.zeros(2, 3, 2, dtype=torch.float64)
+    a, sa = solve(f, z0, SolverConfig(tol=1e-12, max_iter=20), training=True)
+    calls["n"] = 0
+    b, sb = solve(f, z0, SolverConfig(tol=1e-12, max_iter=20, chunk=3), training=True)
+    assert (sb.iterations, sb.stopped_by) == (sa.iterations, sa.stopped_by) == (5, "nonfinite")
+    assert torch.equal(b, a) and torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("K", [2, 5])
+def test_one_host_read_per_chunk(K, eager_chunks):
+    f, z0 = contraction(scale=torch.linspace(0.05, 0.4, 6, dtype=torch.float64)[:, None, None])
+    cfg = SolverConfig(tol=1e-6, stop_quantile=0.0, max_iter=40, chunk=K)
+    with count_host_reads() as reads:
+        _, stats = solve(f, z0, cfg, training=False)
+    assert 5 < stats.iterations < 40 and stats.stopped_by == "converged"
+    assert reads.total == math.ceil(stats.iterations / K), reads.by_method
+
+
+def test_bad_chunk_settings_name_the_key():
+    with pytest.raises(ConfigError, match="chunk"):
+        SolverConfig(chunk=-1).validate()
+    with pytest.raises(ConfigError, match="chunk.*Anderson"):
+        SolverConfig(chunk=4, anderson=3).validate()
+
+
+# ------------------------------------------------------------------ tiny models, every backward mode
+SOLVER = {"tol": 1e-3, "max_iter": 12, "stop_quantile": 0.25, "patience": 2, "decay": 0.6,
+          "backward_tol": 1e-6, "backward_max_iter": 15}
+
+
+def step_of(kind: str, backward: str, chunk: int):
+    model = tiny_model(kind, dtype=torch.float64, solver={**SOLVER, "backward": backward, "chunk": chunk,
+                                                          "freeze_converged": kind == "fpsa"})
+    model.train()
+    x = token_batches(32, n=1, batch=4, seq=12)[0]
+    with count_host_reads() as reads:
+        loss = model(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+    (stats,) = model.solver_stats().values()
+    return loss.detach(), [p.grad for p in model.parameters()], stats, reads.total
+
+
+@pytest.mark.parametrize("backward", ["implicit", "phantom", "jfb", "unroll"])
+@pytest.mark.parametrize("kind", ["fpsa", "fpmamba", "fpmamba2", "looped"])
+def test_tiny_models_train_as_eager_in_float64(kind, backward, eager_chunks):
+    la, ga, sa, ra = step_of(kind, backward, 0)
+    lb, gb, sb, rb = step_of(kind, backward, 4)
+    assert (sb.iterations, sb.stopped_by, sb.backward_iterations) == \
+        (sa.iterations, sa.stopped_by, sa.backward_iterations)
+    torch.testing.assert_close(lb, la, rtol=1e-12, atol=0)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-14)
+    solves = [sb.iterations] + ([sb.backward_iterations] if sb.backward_iterations is not None else [])
+    assert rb == sum(math.ceil(n / 4) for n in solves) + (ra - sum(solves)), (ra, rb, sb)
