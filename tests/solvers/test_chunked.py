@@ -41,7 +41,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("K", [1, 3, 8])
+@pytest.mark.parametrize("K", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_loop_equals_the_eager_loop(case, K, eager_chunks):
     f, z0 = contraction()
@@ -119,8 +119,12 @@ def step_of(kind: str, backward: str, chunk: int):
     return loss.detach(), [p.grad for p in model.parameters()], stats, reads.total
 
 
-@pytest.mark.parametrize("backward", ["implicit", "phantom", "jfb", "unroll"])
-@pytest.mark.parametrize("kind", ["fpsa", "fpmamba", "fpmamba2", "looped"])
+QUICK = {("fpsa", "implicit"), ("fpmamba", "jfb"), ("fpmamba2", "unroll"), ("looped", "phantom")}
+
+
+@pytest.mark.parametrize("kind,backward", [
+    pytest.param(k, b, marks=() if (k, b) in QUICK else pytest.mark.slow)
+    for k in ("fpsa", "fpmamba", "fpmamba2", "looped") for b in ("implicit", "phantom", "jfb", "unroll")])
 def test_tiny_models_train_as_eager_in_float64(kind, backward, eager_chunks):
     la, ga, sa, ra = step_of(kind, backward, 0)
     lb, gb, sb, rb = step_of(kind, backward, 4)
@@ -131,3 +135,33 @@ def test_tiny_models_train_as_eager_in_float64(kind, backward, eager_chunks):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-14)
     solves = [sb.iterations] + ([sb.backward_iterations] if sb.backward_iterations is not None else [])
     assert rb == sum(math.ceil(n / 4) for n in solves) + (ra - sum(solves)), (ra, rb, sb)
+
+
+# ------------------------------------------------------------------------------ compiled: one graph
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fpsa", "fpmamba", "fpmamba2", "looped"])
+def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind):
+    """Evaluation solves (no grad) at 5 depths: 1 to 4 chunks of 4, the last one cut by the cap, and
+    a live stop: one graph, compiled once, no break, no recompilation; as the eager chunk computes."""
+    from torch._dynamo.utils import counters
+    model = tiny_model(kind, solver={"tol": 0.0, "max_iter": 13, "chunk": 4}).eval()
+    x = token_batches(32, n=1, batch=2, seq=8)[0]
+    torch._dynamo.reset()
+    counters.clear()
+    seen = []
+    with torch.no_grad():
+        for depth in (3, 5, 8, 11, 13):
+            with model.eval_depth(depth):
+                out = model(x)
+            (stats,) = model.solver_stats().values()
+            seen.append(stats.iterations)
+            chunked.COMPILE = False
+            try:
+                with model.eval_depth(depth):
+                    torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-5)
+            finally:
+                chunked.COMPILE = True
+    assert seen == [3, 5, 8, 11, 13]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
