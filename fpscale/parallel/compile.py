@@ -94,12 +94,17 @@ def compile_blocks(model: torch.nn.Module) -> list[str]:
     return done
 
 
-def apply_compile(model: torch.nn.Module, mode: str) -> list[str]:
-    """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled."""
+def apply_compile(model: torch.nn.Module, mode: str, log: bool = False) -> list[str]:
+    """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled
+    (logged with ``log``)."""
     check_mode(mode)
     if mode == "none":
         return []
     if mode == "blocks":
-        return compile_blocks(model)
-    model.forward = torch.compile(model.forward)       # full: graph breaks at the solver's host reads
-    return ["forward"]
+        done = compile_blocks(model)
+    else:
+        model.forward = torch.compile(model.forward)       # full: graph breaks at the solver's host reads
+        done = ["forward"]
+    if log:
+        logger.info("train.compile = %s: %s", mode, ", ".join(done) or "no plain region in this model")
+    return done

@@ -176,9 +176,7 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
-        compiled = apply_compile(self.model, t.compile)  # train.compile (fpscale/parallel/compile.py)
-        if compiled and self.state.is_main and log:
-            logger.info("train.compile = %s: %s", t.compile, ", ".join(compiled))
+        apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
