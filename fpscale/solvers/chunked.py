@@ -31,6 +31,7 @@ its bookkeeping in the traced graph (the compiler fuses it with f).
 """
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Callable
 
@@ -46,7 +47,7 @@ _UNTRACEABLE: set = set()          # code objects of steps that did not trace as
 
 
 def _chunk(step, z, eta, best, patience_left, frozen, token_res, running, iters, reason, k0, cap,
-           real, cfg: SolverConfig, limit: int, K: int, consensus, state_reduce, agree):
+           real, cfg: SolverConfig, limit: torch.Tensor, K: int, consensus, state_reduce, agree):
     """K iterations of the eager loop from iteration ``k0 + 1`` (device scalars ``k0``, ``cap``);
     returns the state after them."""
     tol = cfg.tol
@@ -92,7 +93,7 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, running, iters,
                 frozen = torch.where(update, frozen | (res < tol), frozen)
             token_res = torch.where(update, res.to(token_res.dtype), token_res)
             eta = torch.where(update, next_eta, eta)
-            met, stalled = n_unconverged <= limit, movable == 0
+            met, stalled = n_unconverged <= limit, movable == 0      # limit: a device scalar
             stop = active & (nonfinite | met | stalled)
             code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
             reason = torch.where(stop, code, reason)
@@ -101,7 +102,20 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, running, iters,
     return z, eta, best, patience_left, frozen, token_res, running, iters, reason
 
 
-_compiled_chunk = torch.compile(_chunk, fullgraph=True, dynamic=False)
+_COMPILED: dict = {}               # step code -> its compiled chunk
+
+
+def _compiled_chunk(code) -> Callable:
+    """The chunk compiled for the steps of one code object (a layer type's closure): a copy of
+    ``_chunk`` with its own code object, so each layer type has its own cache of graphs (dynamo's
+    recompile limit counts per code object: the layer types of one model, in training and
+    evaluation, would otherwise share one limit of 8)."""
+    if code not in _COMPILED:
+        own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
+        _COMPILED[code] = torch.compile(own, fullgraph=True, dynamic=False)
+    return _COMPILED[code]
+
+
 COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
 
 
@@ -146,17 +160,18 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     iters = torch.zeros((), dtype=torch.long, device=dev)
     reason = torch.zeros((), dtype=torch.long, device=dev)
     cap = torch.full((), max_iter, dtype=torch.long, device=dev)
+    limit_t = torch.full((), limit, dtype=torch.long, device=dev)     # training and evaluation share a graph
     code = getattr(step, "__code__", None)
     traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None and agree is None
               and code not in _UNTRACEABLE)
     state = (z, eta, best, patience_left, frozen, token_res, running, iters, reason)
     done = False
     for k0 in range(0, max_iter, K):
-        args = (step, *state, torch.full((), k0, dtype=torch.long, device=dev), cap, real, cfg, limit, K,
+        args = (step, *state, torch.full((), k0, dtype=torch.long, device=dev), cap, real, cfg, limit_t, K,
                 consensus, state_reduce, agree)
         if traced:
             try:
-                state = _compiled_chunk(*args)
+                state = _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = False
                 _UNTRACEABLE.add(code)
