@@ -54,7 +54,7 @@ from fpscale.layers.checkpointing import recompute
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Carry, IterateResult, state_dtype
+from fpscale.solvers.iterate import Carry, IterateResult, fresh_state, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -73,12 +73,7 @@ def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> 
 
 def fresh_carry(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
     """Algorithm 1's state at the start of a solve (what ``iterate`` starts from)."""
-    dtype, dev, B = state_dtype(z0.dtype), z0.device, z0.shape[0]
-    return Carry(eta=torch.full((B,), cfg.damping, dtype=dtype, device=dev),
-                 best=torch.full((B,), float("inf"), dtype=dtype, device=dev),
-                 patience_left=torch.full((B,), cfg.patience, dtype=torch.long, device=dev),
-                 frozen=torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev),
-                 token_res=torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev))
+    return fresh_state(z0, cfg)
 
 
 def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:

@@ -66,6 +66,7 @@ from fpscale.layers.common import (
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.layers.step_cache import StepCache, replace
 from fpscale.ops.scan_kernels import scan
 
 
@@ -416,16 +417,24 @@ class FPMambaMixer(FixedPointLayer):
         real = real_tokens(pad, pos, x.shape[1])
         u, g, window = self.inputs(x, cache, real)
         gate = F.silu(g) if self.gate == "inside" else None
-        y_prev = cache.get("y") if cache else None
-        h0 = cache.get("h") if cache else None
+        y_prev = cache.get("y") if cache else None          # the previous token's output (the gate outside)
         static = self.static(u)
-        step = self.compiled(self.step)
-        y = self.fixed_point(lambda yy: step(yy, u, gate, y_prev, h0, static=static, real=real), torch.zeros_like(u),
-                             real)
-        if cache is not None:
-            with torch.no_grad():
-                _, h_last = self.step(y.detach(), u, gate, y_prev, h0, return_state=True, static=static, real=real)
-            cache.update(h=h_last, y=y[:, -1].detach())
+        if cache is None:
+            step = self.compiled(self.step)
+            y = self.fixed_point(lambda yy: step(yy, u, gate, None, None, static=static, real=real),
+                                 torch.zeros_like(u), real)
+        else:       # per iteration: the iterate's last y and the scan state after it (fpscale.layers.step_cache)
+            steps = StepCache(cache)
+
+            def f(yy):
+                y_new, h_last = self.step(yy, u, gate, steps.past("y"), steps.past("h"), return_state=True,
+                                          static=static, real=real)
+                steps.record(y=yy[:, -1], h=h_last)
+                return y_new
+
+            y = self.fixed_point(f, torch.zeros_like(u), real, steps)
+            steps.store(cache, {"y": replace, "h": replace})
+            cache.update(y=y[:, -1].detach())
             if window is not None:
                 cache.update(conv=window.detach())
         out = y if self.gate == "inside" else self.gated_output(y, g, y_prev, static["weights"])

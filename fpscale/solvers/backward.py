@@ -43,10 +43,12 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
         keep = keep & torch.isfinite(fz.detach()).reshape(*keep.shape, -1).all(-1)
     mask = _per_token(keep, fz).to(fz.dtype)
     # the adjoint tests its current residual whatever the forward's ``stop_residual``: a best-so-far
-    # test could end it on an adjoint that has since moved away
+    # test could end it on an adjoint that has since moved away. Its damping is per sample whatever
+    # the forward's ``decisions``: the adjoint runs backward in time (u_t gathers the gradients of
+    # tokens >= t), so causality is no rule for it, and ``backward_freeze`` alone decides its freezing
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
                                       stop_quantile=0.0, freeze_converged=cfg.backward_freeze,
-                                      stop_residual="current")
+                                      stop_residual="current", decisions="sample")
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask

@@ -38,68 +38,47 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import StopFlags, _Counts, _per_sample, _per_token, iterate, quantile_limit, token_residual
-from fpscale.solvers.loop_state import Carry, IterateResult, check_step_output, state_dtype
-from fpscale.solvers.stop_rule import stop_residual
+from fpscale.solvers.iterate import _damped_step, _observe, _per_token, fresh_state, iterate, quantile_limit
+from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, state_dtype
 
 STOP_REASONS = ("max_iter", "converged", "quantile", "eta_min", "nonfinite")
 _UNTRACEABLE: set = set()          # code objects of steps that did not trace as one graph
 
 
-def _chunk(step, z, eta, best, patience_left, frozen, token_res, running, iters, reason, k0, cap,
-           real, cfg: SolverConfig, limit: torch.Tensor, K: int, consensus, state_reduce, agree):
-    """K iterations of the eager loop from iteration ``k0 + 1`` (device scalars ``k0``, ``cap``);
-    returns the state after them."""
-    tol = cfg.tol
+def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
+           min_iter, limit, real, prefix, cfg: SolverConfig, K: int, consensus, state_reduce, agree):
+    """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
+    step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
+    ``cap``, ``min_iter`` and the quantile ``limit`` are device scalars). Returns the state after them."""
+    by_token, tol = cfg.decisions == "token", cfg.tol
     for i in range(K):
         k = k0 + (i + 1)
         active = running & (k <= cap)
-        fz = step(z)
-        check_step_output(fz, z)
-        fz = fz.to(z.dtype)
+        fz, res, counts, new_best, new_left, next_eta = _observe(
+            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
         with torch.no_grad():
-            res = token_residual(fz.detach(), z.detach(), cfg.norm, cfg.eps, state_reduce)
-            res = torch.where(frozen, token_res, res)
-            if real is not None:
-                res = res.masked_fill(~real, 0.0)
-            sample_res = res.amax(1)
-            finite = torch.isfinite(sample_res)
-            flags = StopFlags(nonfinite=~finite.all(),
-                              unconverged=~(stop_residual(cfg.stop_residual, sample_res, best) < tol),
-                              no_progress=~(sample_res < best))
-            if consensus is not None:
-                flags = StopFlags.unpack(consensus(flags.pack()), z.shape[0])
-            new_best = torch.where(flags.no_progress, best, sample_res)
-            if cfg.patience > 0:
-                left = torch.where(flags.no_progress, patience_left - 1, cfg.patience)
-                decay_now = left <= 0
-                next_eta = torch.where(decay_now, eta * cfg.decay, eta)
-                left = torch.where(decay_now, cfg.patience, left)
-            else:
-                next_eta, left = eta, patience_left
-            counts = _Counts(flags, next_eta, cfg.eta_min, agree)
             n_unconverged, movable = counts.sums()
             nonfinite = counts.nonfinite
-            update = active & ~nonfinite
+            update = active & ~nonfinite          # the eager loop breaks before the update on a non-finite residual
             best = torch.where(active, new_best, best)
-            patience_left = torch.where(active, left, patience_left)
-        step_eta = _per_sample(eta, z)
-        z_next = step_eta * fz + (1 - step_eta) * z
-        if cfg.freeze_converged:
+            patience_left = torch.where(active, new_left, patience_left)
+        z_next = _damped_step(z, fz, eta, None, by_token)
+        if by_token or cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
         z = torch.where(update, z_next, z)
         with torch.no_grad():
-            if cfg.freeze_converged:
-                frozen = torch.where(update, frozen | (res < tol), frozen)
+            if by_token or cfg.freeze_converged:
+                frozen = torch.where(update, frozen | counts.retire(res, tol, k, prefix), frozen)
+                retired_at = torch.where(update & frozen[:, -1] & (retired_at == NEVER), k, retired_at)
             token_res = torch.where(update, res.to(token_res.dtype), token_res)
             eta = torch.where(update, next_eta, eta)
-            met, stalled = n_unconverged <= limit, movable == 0      # limit: a device scalar
-            stop = active & (nonfinite | met | stalled)
+            met, stalled = n_unconverged <= limit, movable == 0
+            stop = active & (nonfinite | ((k >= min_iter) & (met | stalled)))
             code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
             reason = torch.where(stop, code, reason)
             iters = torch.where(active, k, iters)
             running = running & ~stop
-    return z, eta, best, patience_left, frozen, token_res, running, iters, reason
+    return z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason
 
 
 _COMPILED: dict = {}               # step code -> its compiled chunk
@@ -119,7 +98,7 @@ def _compiled_chunk(code) -> Callable:
 COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
 
 
-def check_chunked(cfg: SolverConfig, carry: Carry | None = None) -> None:
+def check_chunked(cfg: SolverConfig) -> None:
     if cfg.anderson:
         raise ValueError(f"solver.chunk = {cfg.chunk} with solver.anderson = {cfg.anderson}: Anderson mixing keeps "
                          "its history on the host and is not chunked; set solver.chunk: 0 or solver.anderson: 0")
@@ -127,48 +106,41 @@ def check_chunked(cfg: SolverConfig, carry: Carry | None = None) -> None:
 
 def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
              quantile: float, consensus=None, state_reduce=None, max_iter: int | None = None, real=None,
-             agree=None, carry: Carry | None = None) -> IterateResult:
+             agree=None, carry: Carry | None = None, min_iter: int = 0, prefix=None) -> IterateResult:
     """The solver's loop as ``cfg.chunk`` says: ``iterate`` (0, the default) or ``iterate_chunked``.
     The callers of the loop (the forward solve, the adjoint, deep supervision's windows) call this."""
     if not cfg.chunk:
         return iterate(step, z0, cfg, quantile=quantile, consensus=consensus, state_reduce=state_reduce,
-                       max_iter=max_iter, real=real, agree=agree, carry=carry)
+                       max_iter=max_iter, real=real, agree=agree, carry=carry, min_iter=min_iter, prefix=prefix)
     limit = quantile_limit(quantile, z0.shape[0] * (agree.size if agree is not None else 1))
     return iterate_chunked(step, z0, cfg, limit=limit, consensus=consensus, state_reduce=state_reduce,
                            max_iter=cfg.max_iter if max_iter is None else max_iter, real=real, agree=agree,
-                           carry=carry)
+                           carry=carry, min_iter=min_iter, prefix=prefix)
 
 
 def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
                     limit: int, consensus=None, state_reduce=None, max_iter: int, real=None, agree=None,
-                    carry: Carry | None = None) -> IterateResult:
+                    carry: Carry | None = None, min_iter: int = 0, prefix=None) -> IterateResult:
     """``fpscale.solvers.iterate.iterate`` in chunks of ``cfg.chunk`` iterations (module docstring)."""
-    check_chunked(cfg, carry)
-    K, dtype, dev = cfg.chunk, state_dtype(z0.dtype), z0.device
-    B = z0.shape[0]
-    z = z0.to(dtype)
-    if carry is not None:
-        eta, best, patience_left, frozen, token_res = (carry.eta, carry.best, carry.patience_left, carry.frozen,
-                                                       carry.token_res)
-    else:
-        eta = torch.full((B,), cfg.damping, dtype=dtype, device=dev)
-        best = torch.full((B,), float("inf"), dtype=dtype, device=dev)
-        patience_left = torch.full((B,), cfg.patience, dtype=torch.long, device=dev)
-        frozen = torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev)
-        token_res = torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev)
-    running = torch.ones((), dtype=torch.bool, device=dev)
-    iters = torch.zeros((), dtype=torch.long, device=dev)
-    reason = torch.zeros((), dtype=torch.long, device=dev)
-    cap = torch.full((), max_iter, dtype=torch.long, device=dev)
-    limit_t = torch.full((), limit, dtype=torch.long, device=dev)     # training and evaluation share a graph
+    check_chunked(cfg)
+    K, dev = cfg.chunk, z0.device
+    z = z0.to(state_dtype(z0.dtype))
+    start = carry if carry is not None else fresh_state(z0, cfg)
+
+    def scalar(value: int, dtype=torch.long) -> torch.Tensor:
+        return torch.full((), value, dtype=dtype, device=dev)
+
+    retired_at = torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev)
+    state = (z, start.eta, start.best, start.patience_left, start.frozen, start.token_res, retired_at,
+             scalar(1, torch.bool), scalar(0), scalar(0))
+    # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
+    fixed = (scalar(max_iter), scalar(min_iter), scalar(limit), real, prefix, cfg, K, consensus, state_reduce, agree)
     code = getattr(step, "__code__", None)
-    traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None and agree is None
-              and code not in _UNTRACEABLE)
-    state = (z, eta, best, patience_left, frozen, token_res, running, iters, reason)
-    done = False
+    traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None
+              and agree is None and code not in _UNTRACEABLE)
+    done, n, why = False, max_iter, 0
     for k0 in range(0, max_iter, K):
-        args = (step, *state, torch.full((), k0, dtype=torch.long, device=dev), cap, real, cfg, limit_t, K,
-                consensus, state_reduce, agree)
+        args = (step, *state, scalar(k0), *fixed)
         if traced:
             try:
                 state = _compiled_chunk(code)(*args)
@@ -181,14 +153,13 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
                 state = _chunk(*args)
         else:
             state = _chunk(*args)
-        running, iters, reason = state[6:]
+        running, iters, reason = state[7:]
         with torch.no_grad():
             alive, n, why = torch.stack([running.long(), iters, reason]).tolist()     # the chunk's one read
         if not alive:
             done = True
             break
-    z, eta, best, patience_left, frozen, token_res = state[:6]
-    stopped_by = STOP_REASONS[why] if done else "max_iter"
-    return IterateResult(z=z, iterations=n, stopped_by=stopped_by, token_res=token_res,
-                         token_converged=token_res < cfg.tol, eta=eta,
-                         carry=Carry(eta, best, patience_left, frozen, token_res))
+    z, eta, best, patience_left, frozen, token_res, retired_at = state[:7]
+    return IterateResult(z=z, iterations=n, stopped_by=STOP_REASONS[why] if done else "max_iter",
+                         token_res=token_res, token_converged=token_res < cfg.tol, eta=eta,
+                         carry=Carry(eta, best, patience_left, frozen, token_res), retired_at=retired_at)

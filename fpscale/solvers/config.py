@@ -25,14 +25,24 @@ class SolverConfig:
                          micro-batch are unconverged (75% converged at the seeds' p = 0.25);
                          evaluation always uses p = 0 (every sample converged). p * B < 1 is the
                          same rule as p = 0: ``fpscale.Config`` warns about it, naming the key
-      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z, per sample
-      patience, decay    after ``patience`` steps without a new best residual of a sample, that
-                         sample's eta <- decay * eta (patience 0 disables the decay)
+      decisions          token (default) | sample: the unit that Algorithm 1's damping, patience and
+                         freezing act on. token: each token has its own eta, best residual and
+                         patience, driven by its own residual, and retires (is frozen) once it
+                         converged or its eta fell below eta_min: a causal f then gives token t an
+                         output that depends on tokens <= t only, converged or not, and cached
+                         decoding repeats the full forward's iterates (docs/solver.md, "Causality").
+                         sample: the seeds' rule (FPRM Algorithm 1 per sample, as the FP-RNN
+                         authors' solver keeps it): one eta per sample, driven by its largest token
+                         residual, so a stalled later token damps earlier ones; for non-causal maps
+      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z
+      patience, decay    after ``patience`` steps without a new best residual of a unit (token or
+                         sample), its eta <- decay * eta (patience 0 disables the decay)
       stop_residual      the residual the convergence test reads: ``current`` (this iteration's, default)
                          or ``best`` (each sample's lowest so far: the FP-RNN authors' solver,
                          fpscale.solvers.stop_rule)
       eta_min            stop when every unconverged sample's eta fell below this
-      freeze_converged   per-token selective update (FPSA): a converged token is frozen
+      freeze_converged   per-token selective update (FPSA): a converged token is frozen (always so
+                         with ``decisions: token``; this key matters with ``sample``)
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
       agree              rank (default) | dp: in training, each data-parallel rank stops its solves on
@@ -48,6 +58,12 @@ class SolverConfig:
     Backward (docs/solver.md, "Backward modes"):
       backward           implicit | phantom | jfb | unroll
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
+      eval_output        step (default) | iterate: what a solve outputs with grad off. step: what the
+                         grad-mode forward outputs at the same iterate, whatever the grad mode (jfb:
+                         f(z*), phantom: f^k(z*), k = phantom_steps; implicit and unroll output z*
+                         in both modes). iterate: z* with grad off (k fewer applications of f per
+                         evaluation solve; a jfb/phantom model is then evaluated on a function the
+                         optimizer never saw: the behaviour before issue 36)
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
       backward_freeze    implicit: the selective update in the adjoint solve: an adjoint entry (token,
@@ -80,6 +96,7 @@ class SolverConfig:
     decay: float = 0.7
     eta_min: float = 0.05
     stop_residual: Literal["current", "best"] = "current"
+    decisions: Literal["token", "sample"] = "token"
     freeze_converged: bool = False
     anderson: int = 0
     anderson_lambda: float = 1e-4
@@ -88,6 +105,7 @@ class SolverConfig:
     agree: Literal["rank", "dp"] = "rank"
     backward: BackwardMode = "implicit"
     phantom_steps: int = 4
+    eval_output: Literal["step", "iterate"] = "step"
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
     backward_freeze: bool = False
@@ -113,6 +131,9 @@ class SolverConfig:
         check(0.0 < self.decay < 1.0, key("decay"), f"must lie in (0, 1), got {self.decay}")
         check(self.eta_min < self.damping, key("eta_min"),
               f"must be below damping ({self.damping}), got {self.eta_min}: the solver would stop at once")
+        check(self.decisions in ("token", "sample"), key("decisions"),
+              f"must be token (damping, patience and freezing per token: causal) or sample (per sample, "
+              f"the seeds' Algorithm 1: for non-causal maps), got {self.decisions!r}")
         check(self.anderson == 0 or self.anderson >= 2, key("anderson"),
               f"is the Anderson window: 0 (off) or >= 2, got {self.anderson}")
         check(self.check_every >= 1, key("check_every"),
@@ -125,6 +146,9 @@ class SolverConfig:
         check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
         check(not (self.chunk and self.anderson), key("chunk"),
               f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
+        check(self.eval_output in ("step", "iterate"), key("eval_output"),
+              f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
+              f"(the last iterate z*), got {self.eval_output!r}")
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")
@@ -133,6 +157,12 @@ class SolverConfig:
         """This config with one layer's ``solver`` overrides applied (validated; errors name ``key``)."""
         from fpscale.typed import from_dict, to_dict
         return from_dict(SolverConfig, {**to_dict(self), **overrides}, key)
+
+    @property
+    def output_steps(self) -> int:
+        """How many applications of f follow the solve in the grad-mode forward (jfb 1, phantom
+        ``phantom_steps``; implicit and unroll 0: their value is z*)."""
+        return {"jfb": 1, "phantom": self.phantom_steps}.get(self.backward, 0)
 
     @property
     def eval_iterations(self) -> int:

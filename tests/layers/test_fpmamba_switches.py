@@ -292,9 +292,10 @@ def residual_history_step(histories):
 def test_authors_lm_stops_where_the_best_so_far_rule_says():
     """Two samples whose residuals dip below tol 0.1 at different iterations: the preset's
     best-so-far rule stops at the iteration where both have dipped (4); the current-residual rule
-    waits until both are below tol together (7)."""
+    waits until both are below tol together (7). Per sample (``decisions: sample``): per token a
+    token that dipped retires, its residual kept, so there the current rule stops at 4 too."""
     spec = layer_spec("fpmamba", preset="authors_lm")
-    cfg = SolverConfig().with_overrides(spec.solver, "solver")
+    cfg = SolverConfig().with_overrides({**spec.solver, "decisions": "sample"}, "solver")
     assert cfg.stop_residual == "best"
     hist = [[1.0, 0.5, 0.05, 0.5, 0.4, 0.3, 0.05, 0.05, 0.05, 0.05],
             [1.0, 0.5, 0.4, 0.05, 0.5, 0.4, 0.05, 0.05, 0.05, 0.05]]
@@ -304,6 +305,9 @@ def test_authors_lm_stops_where_the_best_so_far_rule_says():
                       quantile=0.0)
     assert (best.iterations, best.stopped_by) == (4, "converged")
     assert (current.iterations, current.stopped_by) == (7, "converged")
+    per_token = iterate(residual_history_step(hist), z0, cfg.with_overrides({"stop_residual": "current",
+                                                                             "decisions": "token"}, "s"), quantile=0.0)
+    assert (per_token.iterations, per_token.stopped_by) == (4, "converged")
 
 
 @pytest.mark.parametrize("preset", ["authors_lm", "authors_state_tracking"])

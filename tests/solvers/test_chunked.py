@@ -38,6 +38,9 @@ CASES = {
     "patience": dict(tol=1e-9, patience=2, decay=0.5, eta_min=0.05, max_iter=60),
     "best_l2": dict(tol=1e-5, stop_residual="best", norm="l2", damping=0.8),
     "cap": dict(tol=0.0, max_iter=7),
+    "half": dict(tol=1e-3, stop_quantile=0.5),
+    "sample_freeze": dict(decisions="sample", tol=1e-4, freeze_converged=True, stop_quantile=0.0),
+    "sample_patience": dict(decisions="sample", tol=1e-9, patience=2, decay=0.5, eta_min=0.05, max_iter=60),
 }
 
 

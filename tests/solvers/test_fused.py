@@ -120,10 +120,12 @@ CASES = {
 
 
 @interpreted
+@pytest.mark.parametrize("decisions", ["token", "sample"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_fused_equals_the_pytorch_loop(case, dtype):
-    cfg = SolverConfig(**{"max_iter": 40, **CASES[case]})
+def test_kernel_fused_equals_the_pytorch_loop(case, dtype, decisions):
+    """Per token (the causal default: damping, patience and retirement per token) and per sample."""
+    cfg = SolverConfig(**{"max_iter": 40, "decisions": decisions, **CASES[case]})
     a, b = both(cfg, dtype, quantile=0.25 if case == "quantile" else 0.0)
     assert_same(a, b)
     expected = {"quantile": "quantile", "cap": "max_iter", "eta_min stall": "eta_min",
