@@ -168,3 +168,17 @@ def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind):
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+
+
+@pytest.mark.parametrize("decisions", ["token", "sample"])
+def test_min_iter_and_prefix_as_eager(decisions, eager_chunks):
+    """Cached decoding's arguments: no stop before min_iter; the tokens before the chunk done from
+    ``prefix`` on (the prefix rule); ``retired_at`` as the eager loop reports it."""
+    f, z0 = contraction(scale=torch.linspace(0.05, 0.4, 6, dtype=torch.float64)[:, None, None])
+    cfg = SolverConfig(tol=1e-3, decisions=decisions, freeze_converged=True, stop_quantile=0.0)
+    prefix = torch.tensor([0, 3, 5, 9, 2, 4])
+    a = iterate(f, z0, cfg, quantile=0.0, max_iter=20, min_iter=11, prefix=prefix)
+    b = chunked.run_loop(f, z0, SolverConfig(**{**vars(cfg), "chunk": 4}), quantile=0.0, max_iter=20, min_iter=11,
+                         prefix=prefix)
+    assert (b.iterations, b.stopped_by) == (a.iterations, a.stopped_by) and a.iterations == 11
+    assert torch.equal(b.z, a.z) and torch.equal(b.retired_at, a.retired_at) and torch.equal(b.eta, a.eta)
