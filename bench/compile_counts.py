@@ -14,7 +14,8 @@
                    eager loop vs chunked (one per chunk; the adjoint's chunks run eager)
     cpu_ratio      CPU time per iteration, compiled chunk / eager loop, measured in this one run
                    (a fixed depth, no grad, median of repeats): below 1 the compiled chunk is faster
-And the plain attn block under ``train.compile: blocks`` (fpscale.parallel.compile): graph breaks,
+And ``train.compile: full`` on a one-layer model: its graph breaks (the solver's host reads) and the
+first reason. And the plain attn block under ``train.compile: blocks`` (fpscale.parallel.compile): graph breaks,
 generated kernels for its forward and backward, and CPU time per training step, compiled / eager.
 
     python bench/compile_counts.py                          # d 64, T 32, B 4, K 4
@@ -129,6 +130,21 @@ def attn_row(args) -> dict:
     return row
 
 
+def full_row(kind: str, args) -> dict:
+    """``train.compile: full`` on a one-layer model, one training step with a live stop: where it breaks."""
+    model = build(kind, args, {**LIVE, "max_iter": args.cap}).train()
+    apply_compile(model, "full")
+    x = tokens(args, 1)
+    torch._dynamo.reset()
+    counters.clear()
+    model(x[:, :-1], targets=x[:, 1:]).backward()
+    (stats,) = model.solver_stats().values()
+    reasons = sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])
+    return {"layer": f"{kind} (full)", "iterations": stats.iterations,
+            "graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "top_reason": (reasons[0][0].splitlines()[0][:90] if reasons else "")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=64)
@@ -140,6 +156,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kinds", nargs="+", default=["fpsa", "fpmamba", "fpmamba2", "looped"])
     ap.add_argument("--no-attn", action="store_true", help="skip the attn block under train.compile: blocks")
+    ap.add_argument("--full", nargs="*", default=["fpsa"], help="layer types to run under train.compile: full")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -156,7 +173,12 @@ def main(argv=None):
         print("\ntrain.compile: blocks, one attn block, a training step (forward + backward)")
         print_table(attn, ["layer", "graph_breaks", "recompiles", "graphs", "kernels_fwd_bwd", "aten_fwd_bwd",
                            "cpu_ratio"])
-    write_json("compile_counts", {"args": vars(args), "solver_rows": rows, "attn_rows": attn}, args.out)
+    full = [full_row(kind, args) for kind in args.full]
+    if full:
+        print("\ntrain.compile: full (the whole forward, no fullgraph), one training step with a live stop")
+        print_table(full, ["layer", "iterations", "graph_breaks", "graphs", "top_reason"])
+    write_json("compile_counts", {"args": vars(args), "solver_rows": rows, "attn_rows": attn, "full_rows": full},
+               args.out)
 
 
 if __name__ == "__main__":
