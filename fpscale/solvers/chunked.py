@@ -1,12 +1,13 @@
 """``solver.chunk: K``: the fixed-point loop as chunks of K iterations, every decision a device mask.
 
 The PyTorch loop (fpscale.solvers.iterate) decides on the host when to stop; here a chunk runs K
-iterations of the same loop with no host read inside: the stop, the freezing, the damping and
-patience (Algorithm 1, per sample) and the quantile test are tensors, and the solve's state
-carries a device flag ``running``. An iteration the eager loop would not have run (after the stop,
+iterations of the same loop (its ``_observe``, damped step and retirement: ``decisions`` token or
+sample) with no host read inside: the stop, ``min_iter``, the freezing and the prefix rule's
+retirement, the damping and patience (Algorithm 1) and the quantile test are tensors, and the
+solve's state carries a device flag ``running``. An iteration the eager loop would not have run (after the stop,
 past the cap) applies f and then leaves every sample and token as it was (``torch.where``), so the
-iterate, the damping, the residuals, the frozen tokens, the iteration count and the stop reason
-are the eager loop's, and so are the gradients (the unroll backward differentiates through the
+iterate, the damping, the residuals, the frozen tokens, ``retired_at``, the iteration count and the
+stop reason are the eager loop's, and so are the gradients (the unroll backward differentiates through the
 selects: the branch not taken gets a zero gradient). The count is not rounded up to the chunk:
 what is wasted is at most K - 1 applications of f after the stop. After each chunk the host reads
 one small tensor [running, iterations, stop reason] (one synchronisation per chunk).
@@ -14,9 +15,9 @@ one small tensor [running, iterations, stop reason] (one synchronisation per chu
 A chunk is one function of tensors, compiled with ``torch.compile(fullgraph=True, dynamic=False)``
 where it can be traced as one graph: a solve without autograd through the loop (every forward
 solve of the implicit, phantom and jfb backward modes, evaluation) and without collectives
-(no ``consensus``, ``state_reduce`` or ``agree``). The iteration number and the cap enter as
-device scalars, so neither a different iteration count nor a different number of chunks
-recompiles (tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still
+(no ``consensus``, ``state_reduce`` or ``agree``). The iteration number, the cap, ``min_iter`` and
+the quantile limit enter as device scalars, so neither a different iteration count nor a different
+number of chunks (nor training vs evaluation, nor a new closure per forward) recompiles (tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still
 with one host read per chunk:
   unroll       autograd through K unrolled iterations (compiling it would also save every
                iteration's activations, as the eager unroll does)

@@ -182,3 +182,19 @@ def test_min_iter_and_prefix_as_eager(decisions, eager_chunks):
                          prefix=prefix)
     assert (b.iterations, b.stopped_by) == (a.iterations, a.stopped_by) and a.iterations == 11
     assert torch.equal(b.z, a.z) and torch.equal(b.retired_at, a.retired_at) and torch.equal(b.eta, a.eta)
+
+
+@pytest.mark.slow
+def test_compiled_chunks_train_as_eager(monkeypatch):
+    """fpsa with the implicit backward, compiled: the forward solve in the compiled chunk, the adjoint
+    (an autograd.grad step, which does not trace as one graph) said once and chunked eager; loss,
+    gradients and counts as the eager loop's (float64, to rounding: Inductor fuses the bookkeeping)."""
+    monkeypatch.setattr(chunked, "_UNTRACEABLE", set())
+    la, ga, sa, _ = step_of("fpsa", "implicit", 0)
+    with pytest.warns(UserWarning, match="does not trace as one graph"):
+        lb, gb, sb, _ = step_of("fpsa", "implicit", 4)
+    assert (sb.iterations, sb.stopped_by, sb.backward_iterations) == \
+        (sa.iterations, sa.stopped_by, sa.backward_iterations)
+    torch.testing.assert_close(lb, la, rtol=1e-10, atol=0)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-12)
