@@ -17,8 +17,9 @@ where it can be traced as one graph: a solve without autograd through the loop (
 solve of the implicit, phantom and jfb backward modes, evaluation) and without collectives
 (no ``consensus``, ``state_reduce`` or ``agree``). The iteration number, the cap, ``min_iter`` and
 the quantile limit enter as device scalars, so neither a different iteration count nor a different
-number of chunks (nor training vs evaluation, nor a new closure per forward) recompiles (tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still
-with one host read per chunk:
+number of chunks (nor training vs evaluation, nor a new closure per forward) recompiles
+(tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still with one host
+read per chunk:
   unroll       autograd through K unrolled iterations (compiling it would also save every
                iteration's activations, as the eager unroll does)
   TP / DP      the stop flags are agreed every iteration, as in the eager loop (a collective, not
@@ -99,7 +100,15 @@ def _compiled_chunk(code) -> Callable:
 COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
 
 
+CHUNKED_NORMS = ("inf", "l2")      # the per-token norms of iterate.token_residual
+
+
 def check_chunked(cfg: SolverConfig) -> None:
+    """The combinations a chunk does not implement, refused by name (not run differently)."""
+    norm = getattr(cfg, "norm", "inf")
+    if norm not in CHUNKED_NORMS:
+        raise ValueError(f"solver.chunk = {cfg.chunk} with solver.norm = {norm}: the chunked loop implements the "
+                         f"per-token norms {', '.join(CHUNKED_NORMS)}; set solver.chunk: 0 for {norm}")
     if cfg.anderson:
         raise ValueError(f"solver.chunk = {cfg.chunk} with solver.anderson = {cfg.anderson}: Anderson mixing keeps "
                          "its history on the host and is not chunked; set solver.chunk: 0 or solver.anderson: 0")
@@ -124,6 +133,7 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
                     carry: Carry | None = None, min_iter: int = 0, prefix=None) -> IterateResult:
     """``fpscale.solvers.iterate.iterate`` in chunks of ``cfg.chunk`` iterations (module docstring)."""
     check_chunked(cfg)
+    min_iter = max(min_iter, getattr(cfg, "min_iter", 0))      # solver.min_iter where the config has it
     K, dev = cfg.chunk, z0.device
     z = z0.to(state_dtype(z0.dtype))
     start = carry if carry is not None else fresh_state(z0, cfg)
