@@ -82,7 +82,8 @@ def compile_blocks(model: torch.nn.Module) -> list[str]:
     """Compile every plain region of ``model.layers`` in place; returns the regions compiled
     (``layers.0.forward``, ``layers.1.mlp_sublayer``, ...)."""
     done = []
-    for i, block in enumerate(model.layers):
+    layers: torch.nn.ModuleList = model.layers       # type: ignore[assignment]
+    for i, block in enumerate(layers):
         regions = block.compile_regions() if hasattr(block, "compile_regions") else ()
         for name in regions:
             label = f"model.layers[{i}] ({type(block).__name__}).{name}"
