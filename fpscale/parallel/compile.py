@@ -84,7 +84,8 @@ def compile_blocks(model: torch.nn.Module) -> list[str]:
     done = []
     layers: torch.nn.ModuleList = model.layers       # type: ignore[assignment]
     for i, block in enumerate(layers):
-        regions = block.compile_regions() if hasattr(block, "compile_regions") else ()
+        declared = getattr(block, "compile_regions", None)
+        regions: tuple[str, ...] = declared() if callable(declared) else ()
         for name in regions:
             label = f"model.layers[{i}] ({type(block).__name__}).{name}"
             method = getattr(block, name)
