@@ -319,8 +319,10 @@ if AVAILABLE:
         if TOKEN:       # the prefix rule, decided by _tokens
             newly = frozen | (tl.load(retire_ptr + rows, mask=rmask, other=0) != 0)
             tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)
-            became = newly & ~frozen & alive & ((rows % T) == (T - 1))       # the last token retires now
-            tl.store(retired_at_ptr + rows // T, rows.to(tl.int64) * 0 + k, mask=rmask & became)
+            last = rmask & ((rows % T) == (T - 1))
+            old = tl.load(retired_at_ptr + rows // T, mask=last, other=0)
+            became = (newly != frozen) & alive                                 # the last token retires now
+            tl.store(retired_at_ptr + rows // T, tl.where(became, old * 0 + k, old), mask=last)
         elif FREEZE:
             newly = frozen | (res < tl.load(consts_ptr))
             tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)

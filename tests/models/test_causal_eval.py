@@ -111,7 +111,8 @@ def assert_not_converged(model):
         assert s.stopped_by == "max_iter" and float(s.final_eta.min()) < STALL["damping"], s.to_dict()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layer_type", LOOPED)
 @torch.no_grad()
 def test_causal_and_cached_decoding_when_the_solve_does_not_converge(layer_type, dtype):
@@ -154,6 +155,7 @@ def test_the_old_rules_fail_these_checks():
     assert leak["sample"] > 1e-3 and leak["token"] == 0.0, leak
 
 
+@pytest.mark.slow         # an export and a transformers load per type: 2-9 s each
 @pytest.mark.parametrize("layer_type", LOOPED)
 def test_the_hf_model_outputs_the_grad_mode_forward(layer_type, tmp_path):
     """The exported model (the bundled code, loaded by transformers) evaluates, with and without its

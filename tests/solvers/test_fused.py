@@ -128,9 +128,29 @@ def test_kernel_fused_equals_the_pytorch_loop(case, dtype, decisions):
     cfg = SolverConfig(**{"max_iter": 40, "decisions": decisions, **CASES[case]})
     a, b = both(cfg, dtype, quantile=0.25 if case == "quantile" else 0.0)
     assert_same(a, b)
+    if decisions == "token":
+        assert torch.equal(a.retired_at, b.retired_at)
     expected = {"quantile": "quantile", "cap": "max_iter", "eta_min stall": "eta_min",
                 "tol 0 (one read)": "max_iter"}.get(case, "converged")
     assert a.stopped_by == expected, a.stopped_by
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["converged", "eta_min stall", "patience decays", "check_every 3"])
+def test_kernel_the_prefix_rule_and_a_past_prefix_as_the_pytorch_loop(case):
+    """Per token, with the tokens before the chunk done from iteration ``prefix`` (cached decoding):
+    the same iterates, retirements (``retired_at``, the last token's) and damping as the PyTorch loop."""
+    from fpscale.solvers.loop_state import NEVER
+    cfg = SolverConfig(**{"max_iter": 40, **CASES[case]})
+    prefix = torch.tensor([0, 5, NEVER, 2])
+    out = []
+    for mode in ("torch", "fused"):
+        f, z0 = contraction(torch.float64)
+        with torch.no_grad():
+            out.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=0.0, prefix=prefix))
+    assert_same(*out)
+    assert torch.equal(out[0].retired_at, out[1].retired_at), (out[0].retired_at, out[1].retired_at)
+    assert int(out[0].retired_at[2]) == NEVER          # a past that never finished holds every token
 
 
 @interpreted
@@ -222,7 +242,7 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
 
 @interpreted
 def test_kernel_four_kernels_and_one_read_per_iteration():
-    """Beside f, an iteration is the 4 kernels and the new iterate's allocation; the eager schedule reads
+    """Beside f, an iteration is the 4 kernels (5 per token, the default) and the new iterate's allocation; the eager schedule reads
     once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40 aten ops."""
     per_iteration = {}
     for mode in ("torch", "fused"):
