@@ -53,9 +53,9 @@ class CompiledRegion:
     """A block's method compiled with ``fullgraph=True``; eager once it failed to compile (said once),
     and for calls that decode (a cache given, or a position other than 0)."""
 
-    def __init__(self, eager: Callable, label: str):
+    def __init__(self, eager: Callable, label: str, backend: str = "inductor"):
         self.eager, self.label = eager, label
-        self.compiled = torch.compile(eager, fullgraph=True)
+        self.compiled = torch.compile(eager, fullgraph=True, backend=backend)
         self.failed: str | None = None
         functools.update_wrapper(self, eager)
 
@@ -78,9 +78,10 @@ def _decoding(args, kwargs) -> bool:
     return cache is not None or (isinstance(pos, int) and pos != 0)
 
 
-def compile_blocks(model: torch.nn.Module) -> list[str]:
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> list[str]:
     """Compile every plain region of ``model.layers`` in place; returns the regions compiled
-    (``layers.0.forward``, ``layers.1.mlp_sublayer``, ...)."""
+    (``layers.0.forward``, ``layers.1.mlp_sublayer``, ...). ``backend``: torch.compile's (tests that
+    count graph breaks use aot_eager, which traces forward and backward without Inductor's build)."""
     done = []
     layers: torch.nn.ModuleList = model.layers       # type: ignore[assignment]
     for i, block in enumerate(layers):
@@ -91,21 +92,22 @@ def compile_blocks(model: torch.nn.Module) -> list[str]:
             method = getattr(block, name)
             if isinstance(method, CompiledRegion):
                 continue
-            setattr(block, name, CompiledRegion(method, label))
+            setattr(block, name, CompiledRegion(method, label, backend))
             done.append(f"layers.{i}.{name}")
     return done
 
 
-def apply_compile(model: torch.nn.Module, mode: str, log: bool = False) -> list[str]:
+def apply_compile(model: torch.nn.Module, mode: str, log: bool = False,
+                  backend: str = "inductor") -> list[str]:
     """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled
     (logged with ``log``)."""
     check_mode(mode)
     if mode == "none":
         return []
     if mode == "blocks":
-        done = compile_blocks(model)
+        done = compile_blocks(model, backend)
     else:
-        model.forward = torch.compile(model.forward)       # full: graph breaks at the solver's host reads
+        model.forward = torch.compile(model.forward, backend=backend)       # full: graph breaks at the solver's host reads
         done = ["forward"]
     if log:
         logger.info("train.compile = %s: %s", mode, ", ".join(done) or "no plain region in this model")

@@ -91,13 +91,14 @@ def _compiled_chunk(code) -> Callable:
     ``_chunk`` with its own code object, so each layer type has its own cache of graphs (dynamo's
     recompile limit counts per code object: the layer types of one model, in training and
     evaluation, would otherwise share one limit of 8)."""
-    if code not in _COMPILED:
+    if (code, BACKEND) not in _COMPILED:
         own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
-        _COMPILED[code] = torch.compile(own, fullgraph=True, dynamic=False)
-    return _COMPILED[code]
+        _COMPILED[code, BACKEND] = torch.compile(own, fullgraph=True, dynamic=False, backend=BACKEND)
+    return _COMPILED[code, BACKEND]
 
 
-COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
+COMPILE = True
+BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
 
 
 CHUNKED_NORMS = ("inf", "l2")      # the per-token norms of iterate.token_residual
