@@ -107,7 +107,7 @@ def apply_compile(model: torch.nn.Module, mode: str, log: bool = False,
     if mode == "blocks":
         done = compile_blocks(model, backend)
     else:
-        model.forward = torch.compile(model.forward, backend=backend)       # full: graph breaks at the solver's host reads
+        model.forward = torch.compile(model.forward, backend=backend)    # full: breaks at the solver's host reads
         done = ["forward"]
     if log:
         logger.info("train.compile = %s: %s", mode, ", ".join(done) or "no plain region in this model")

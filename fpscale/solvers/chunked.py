@@ -97,8 +97,8 @@ def _compiled_chunk(code) -> Callable:
     return _COMPILED[code, BACKEND]
 
 
-COMPILE = True
-BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
+COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
+BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build
 
 
 CHUNKED_NORMS = ("inf", "l2")      # the per-token norms of iterate.token_residual
