@@ -68,10 +68,16 @@ def timed(fn, repeats: int) -> float:
 
 
 def reads_per_step(kind: str, args, chunk: int) -> int:
+    """Host reads of a training step; the chunks run eager here (the reads are one per chunk either
+    way, and a training-mode step would compile the chunk again)."""
     model = build(kind, args, {**LIVE, "max_iter": args.cap, "backward": "implicit", "chunk": chunk}).train()
     x = tokens(args, 1)
-    with count_host_reads() as reads:
-        model(x[:, :-1], targets=x[:, 1:]).backward()
+    chunked.COMPILE = False
+    try:
+        with count_host_reads() as reads:
+            model(x[:, :-1], targets=x[:, 1:]).backward()
+    finally:
+        chunked.COMPILE = True
     return reads.total
 
 
@@ -131,9 +137,10 @@ def attn_row(args) -> dict:
 
 
 def full_row(kind: str, args) -> dict:
-    """``train.compile: full`` on a one-layer model, one training step with a live stop: where it breaks."""
+    """``train.compile: full`` on a one-layer model, one training step with a live stop: where it breaks
+    (dynamo's graph breaks: traced with aot_eager, no Inductor build)."""
     model = build(kind, args, {**LIVE, "max_iter": args.cap}).train()
-    apply_compile(model, "full")
+    apply_compile(model, "full", backend="aot_eager")
     x = tokens(args, 1)
     torch._dynamo.reset()
     counters.clear()
