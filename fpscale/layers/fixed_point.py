@@ -31,6 +31,7 @@ class FixedPointLayer(LoopedLayer):
         self.solver = solver
         self.state_sharded = False       # True where the solved state is split over the shards
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
+        self.entries_per_token = 1       # entries of the solved state per token (fpsa halting: head: its heads)
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
@@ -90,6 +91,7 @@ class FixedPointLayer(LoopedLayer):
                                    agree=self.dp_agree if self.training and self.solver.agree == "dp" else None,
                                    min_iter=step_cache.min_iter if step_cache is not None else 0,
                                    prefix=step_cache.prefix if step_cache is not None else None,
+                                   group=self.entries_per_token,
                                    on_final=step_cache.on_final if step_cache is not None else None)
         if step_cache is not None:
             step_cache.retired_at = self.last_stats.retired_at

@@ -211,6 +211,7 @@ class FPSAttention(FixedPointLayer):
             real = None if real is None else real.repeat_interleave(n_heads, dim=1)
         else:
             n_heads, z0 = 1, h
+        self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
         counter = EntryIterations(self.solver.freeze_converged)
 
         def f(z):

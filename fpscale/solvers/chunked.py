@@ -48,7 +48,7 @@ _UNTRACEABLE: set = set()          # code objects of steps that did not trace as
 
 
 def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
-           min_iter, limit, real, prefix, cfg: SolverConfig, K: int, consensus, state_reduce, agree):
+           min_iter, limit, real, prefix, cfg: SolverConfig, K: int, consensus, state_reduce, agree, group: int = 1):
     """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
     step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
     ``cap``, ``min_iter`` and the quantile ``limit`` are device scalars). Returns the state after them."""
@@ -57,21 +57,23 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
         k = k0 + (i + 1)
         active = running & (k <= cap)
         fz, res, counts, new_best, new_left, next_eta = _observe(
-            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
+            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree,
+            group)
         with torch.no_grad():
             n_unconverged, movable = counts.sums()
             nonfinite = counts.nonfinite
             update = active & ~nonfinite          # the eager loop breaks before the update on a non-finite residual
             best = torch.where(active, new_best, best)
             patience_left = torch.where(active, new_left, patience_left)
-        z_next = _damped_step(z, fz, eta, None, by_token)
+        z_next = _damped_step(z, fz, eta, None, by_token, group)
         if by_token or cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
         z = torch.where(update, z_next, z)
         with torch.no_grad():
             if by_token or cfg.freeze_converged:
-                frozen = torch.where(update, frozen | counts.retire(res, tol, k, prefix), frozen)
-                retired_at = torch.where(update & frozen[:, -1] & (retired_at == NEVER), k, retired_at)
+                newly, prefix_done = counts.retire(res, tol, k, prefix, group)
+                frozen = torch.where(update, frozen | newly, frozen)
+                retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
             token_res = torch.where(update, res.to(token_res.dtype), token_res)
             eta = torch.where(update, next_eta, eta)
             met, stalled = n_unconverged <= limit, movable == 0
@@ -117,27 +119,28 @@ def check_chunked(cfg: SolverConfig) -> None:
 
 def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
              quantile: float, consensus=None, state_reduce=None, max_iter: int | None = None, real=None,
-             agree=None, carry: Carry | None = None, min_iter: int = 0, prefix=None) -> IterateResult:
+             agree=None, carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
     """The solver's loop as ``cfg.chunk`` says: ``iterate`` (0, the default) or ``iterate_chunked``.
     The callers of the loop (the forward solve, the adjoint, deep supervision's windows) call this."""
     if not cfg.chunk:
         return iterate(step, z0, cfg, quantile=quantile, consensus=consensus, state_reduce=state_reduce,
-                       max_iter=max_iter, real=real, agree=agree, carry=carry, min_iter=min_iter, prefix=prefix)
+                       max_iter=max_iter, real=real, agree=agree, carry=carry, min_iter=min_iter, prefix=prefix,
+                       group=group)
     limit = quantile_limit(quantile, z0.shape[0] * (agree.size if agree is not None else 1))
     return iterate_chunked(step, z0, cfg, limit=limit, consensus=consensus, state_reduce=state_reduce,
                            max_iter=cfg.max_iter if max_iter is None else max_iter, real=real, agree=agree,
-                           carry=carry, min_iter=min_iter, prefix=prefix)
+                           carry=carry, min_iter=min_iter, prefix=prefix, group=group)
 
 
 def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
                     limit: int, consensus=None, state_reduce=None, max_iter: int, real=None, agree=None,
-                    carry: Carry | None = None, min_iter: int = 0, prefix=None) -> IterateResult:
+                    carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
     """``fpscale.solvers.iterate.iterate`` in chunks of ``cfg.chunk`` iterations (module docstring)."""
     check_chunked(cfg)
     min_iter = max(min_iter, getattr(cfg, "min_iter", 0))      # solver.min_iter where the config has it
     K, dev = cfg.chunk, z0.device
     z = z0.to(state_dtype(z0.dtype))
-    start = carry if carry is not None else fresh_state(z0, cfg)
+    start = carry if carry is not None else fresh_state(z0, cfg, group)
 
     def scalar(value: int, dtype=torch.long) -> torch.Tensor:
         return torch.full((), value, dtype=dtype, device=dev)
@@ -146,7 +149,8 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     state = (z, start.eta, start.best, start.patience_left, start.frozen, start.token_res, retired_at,
              scalar(1, torch.bool), scalar(0), scalar(0))
     # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
-    fixed = (scalar(max_iter), scalar(min_iter), scalar(limit), real, prefix, cfg, K, consensus, state_reduce, agree)
+    fixed = (scalar(max_iter), scalar(min_iter), scalar(limit), real, prefix, cfg, K, consensus, state_reduce, agree,
+             group)
     code = getattr(step, "__code__", None)
     traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None
               and agree is None and code not in _UNTRACEABLE)

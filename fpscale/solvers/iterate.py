@@ -104,11 +104,12 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(*values.shape, *([1] * (like.dim() - values.dim())))
 
 
-def fresh_state(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
+def fresh_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1) -> Carry:
     """Algorithm 1's state at the start of a solve: damping, best residual and patience per unit
-    ([B] with ``decisions: sample``, [B, T] with ``token``), nothing frozen, residuals inf."""
+    ([B] with ``decisions: sample``, [B, T / group] with ``token``: ``group`` entries of the state
+    per token, fpsa's heads with ``halting: head``), nothing frozen, residuals inf."""
     dtype, dev = state_dtype(z0.dtype), z0.device
-    units = tuple(z0.shape[:2]) if cfg.decisions == "token" else (z0.shape[0],)
+    units = (z0.shape[0], z0.shape[1] // group) if cfg.decisions == "token" else (z0.shape[0],)
     return Carry(eta=torch.full(units, cfg.damping, dtype=dtype, device=dev),
                  best=torch.full(units, float("inf"), dtype=dtype, device=dev),
                  patience_left=torch.full(units, cfg.patience, dtype=torch.long, device=dev),
@@ -116,9 +117,11 @@ def fresh_state(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
                  token_res=torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev))
 
 
-def _damped_step(z, fz, eta, anderson, by_token: bool) -> torch.Tensor:
+def _damped_step(z, fz, eta, anderson, by_token: bool, group: int = 1) -> torch.Tensor:
     """The next iterate before freezing: eta f(z) + (1 - eta) z, or Anderson's mix (per token with
     ``by_token``: each token is its own least-squares problem, so no token reads a later one)."""
+    if by_token and group > 1:              # one eta per token, shared by its entries
+        eta = eta.repeat_interleave(group, 1)
     if anderson is None:
         step_eta = _per_sample(eta, z)
         return step_eta * fz + (1 - step_eta) * z
@@ -247,7 +250,7 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
             *, quantile: float, consensus: Consensus | None = None, state_reduce: StateReduce | None = None,
             max_iter: int | None = None, real: torch.Tensor | None = None,
             agree: Agree | None = None, carry: Carry | None = None, min_iter: int = 0,
-            prefix: torch.Tensor | None = None) -> IterateResult:
+            prefix: torch.Tensor | None = None, group: int = 1) -> IterateResult:
     """Run the damped fixed-point iteration of ``step`` from ``z0``.
 
     Gradients flow through the loop only if grad mode is on (the ``unroll`` backward);
@@ -264,43 +267,49 @@ def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg:
     before this chunk is done (a previous solve's ``retired_at``; the prefix rule reads it as a
     token before the first). The result's ``retired_at`` [B] is the iteration at which the chunk's
     last token retired (``NEVER`` if it did not).
+    ``group`` (``decisions: token``): entries of the state per token, laid out token-major ([B, T * group],
+    fpsa's heads with ``halting: head``): the token is the unit of damping, patience and the prefix rule
+    (its residual the max over its entries: the same units on every TP rank, whichever heads it holds),
+    and an entry retires once every earlier token is done and the entry itself converged (the per-head
+    selective update). The PyTorch loop only.
     """
     max_iter = cfg.max_iter if max_iter is None else max_iter
     tol = cfg.tol
     dtype = state_dtype(z0.dtype)
     B = z0.shape[0]
     z = z0.to(dtype)
-    state = carry if carry is not None else fresh_state(z0, cfg)
+    state = carry if carry is not None else fresh_state(z0, cfg, group)
     eta, best, patience_left, frozen, token_res = (state.eta, state.best, state.patience_left, state.frozen,
                                                    state.token_res)
     anderson = _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce) if cfg.anderson else None
     limit = quantile_limit(quantile, B * (agree.size if agree is not None else 1))
     every = read_schedule(cfg, max_iter)
-    if carry is None and fused_wanted(cfg, z0):
+    if carry is None and group == 1 and fused_wanted(cfg, z0):
         return iterate_fused(step, z0, cfg, every=every, limit=limit, consensus=consensus,
                              state_reduce=state_reduce, max_iter=max_iter, real=real, agree=agree,
                              min_iter=min_iter, prefix=prefix)
     if every != 1:
         return _iterate_deferred(step, z, cfg, every, limit, consensus, state_reduce, max_iter, real,
-                                 eta, best, patience_left, frozen, token_res, anderson, agree, min_iter, prefix)
+                                 eta, best, patience_left, frozen, token_res, anderson, agree, min_iter, prefix, group)
     by_token = cfg.decisions == "token"
     retired_at = torch.full((B,), NEVER, dtype=torch.long, device=z.device)
     stopped_by = "max_iter"
     k = 0
     for k in range(1, max_iter + 1):
         fz, res, counts, best, patience_left, next_eta = _observe(
-            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree, group)
         with torch.no_grad():
             n_unconverged, movable = counts.sums()
             decision = StopDecision.read(n_unconverged, n_unconverged <= limit, movable == 0, counts.nonfinite)
         if decision.nonfinite:
             stopped_by = "nonfinite"
             break   # keep the last finite iterate z
-        z_next = _damped_step(z, fz, eta, anderson, by_token)
+        z_next = _damped_step(z, fz, eta, anderson, by_token, group)
         if by_token or cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
-            frozen = frozen | counts.retire(res, tol, k, prefix)
-            retired_at = torch.where(frozen[:, -1] & (retired_at == NEVER), k, retired_at)
+            newly, prefix_done = counts.retire(res, tol, k, prefix, group)
+            frozen = frozen | newly
+            retired_at = torch.where(prefix_done & (retired_at == NEVER), k, retired_at)
         token_res = res.to(dtype)
         eta = next_eta
         z = z_next
@@ -345,7 +354,7 @@ def _warn_unfused_once() -> None:
 
 
 def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, patience_left, eta,
-             consensus, state_reduce, agree):
+             consensus, state_reduce, agree, group: int = 1):
     """One application of f and what the iteration learns from it, without a host read: f(z) in the
     state dtype, the residual per token, the per-sample patience and damping after Algorithm 1 (from
     the flags agreed over the TP group), and the decision's device counts (unconverged samples,
@@ -361,7 +370,7 @@ def _observe(step, z, k: int, cfg: SolverConfig, frozen, token_res, real, best, 
         res = torch.where(frozen, token_res, res)
         if real is not None:                  # padding converges at once and stays frozen
             res = res.masked_fill(~real, 0.0)
-        unit_res = res if cfg.decisions == "token" else res.amax(1)
+        unit_res = (res.view(res.shape[0], -1, group).amax(-1) if cfg.decisions == "token" else res.amax(1))
         finite = torch.isfinite(unit_res)
         # flags this rank saw; under TP their MAX over the group is what every rank acts on
         flags = StopFlags(nonfinite=~finite.all(),
@@ -405,19 +414,23 @@ class _Counts:
             return unconverged.any(1).sum(), movable.any(1).sum()
         return unconverged.sum(), movable.sum()
 
-    def retire(self, res: torch.Tensor, tol: float, k: int, prefix: torch.Tensor | None = None) -> torch.Tensor:
+    def retire(self, res: torch.Tensor, tol: float, k: int, prefix: torch.Tensor | None = None,
+               group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] tokens frozen from the next iteration on. Per token (``decisions: token``) the prefix
         rule: token t retires once every token s <= t is done, converged (the agreed flag, so with
         ``stop_residual: best`` too) or stalled (its next eta below eta_min); the retired tokens are
         a prefix of the sample, so nothing a retired token reads moves after it. Per sample
         (``freeze_converged``) the tokens whose residual is below tol."""
         if self.flags.unconverged.dim() == 2:
-            done = ~self.flags.unconverged | (self.next_eta < self.eta_min)
-            if prefix is not None:          # the tokens before this chunk (cached decoding)
-                done = torch.cat([(prefix <= k)[:, None], done], 1)
-                return done.to(torch.uint8).cummin(1).values.bool()[:, 1:]
-            return done.to(torch.uint8).cummin(1).values.bool()
-        return res < tol
+            stalled = self.next_eta < self.eta_min
+            done = ~self.flags.unconverged | stalled
+            before = (prefix <= k) if prefix is not None else torch.ones_like(done[:, 0])
+            upto = torch.cat([before[:, None], done], 1).to(torch.uint8).cummin(1).values.bool()  # [B, 1 + T]
+            if group == 1:
+                return upto[:, 1:], upto[:, -1]
+            own = (res < tol) | stalled.repeat_interleave(group, 1)     # an entry's own test (per head)
+            return upto[:, :-1].repeat_interleave(group, 1) & own, upto[:, -1]
+        return res < tol, torch.zeros_like(res[:, 0], dtype=torch.bool)
 
     def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(unconverged samples, unconverged samples that can still move)."""
@@ -426,7 +439,7 @@ class _Counts:
 
 def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int, consensus, state_reduce,
                       max_iter: int, real, eta, best, patience_left, frozen, token_res, anderson,
-                      agree, min_iter: int = 0, prefix=None) -> IterateResult:
+                      agree, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
     """The loop of ``iterate`` reading the stop decision only at iterations ``every``, 2 ``every``,
     ... and the cap (``every`` None: at the cap only). The iterations are those of the eager loop;
     a non-finite residual is remembered on the device and holds the state at its last finite
@@ -438,15 +451,16 @@ def _iterate_deferred(step, z, cfg: SolverConfig, every: int | None, limit: int,
     retired_at = torch.full((z.shape[0],), NEVER, dtype=torch.long, device=z.device)
     for k in range(1, max_iter + 1):
         fz, res, counts, best, patience_left, next_eta = _observe(
-            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree)
+            step, z, k, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree, group)
         with torch.no_grad():
             first_bad = torch.where(alive & counts.nonfinite, k, first_bad)
             alive = alive & ~counts.nonfinite
-        z_next = _damped_step(z, fz, eta, anderson, by_token)
+        z_next = _damped_step(z, fz, eta, anderson, by_token, group)
         if by_token or cfg.freeze_converged:     # a frozen token, or every token once a residual went non-finite
             z_next = torch.where(_per_token(frozen | ~alive, z), z, z_next)
-            frozen = torch.where(alive, frozen | counts.retire(res, tol, k, prefix), frozen)
-            retired_at = torch.where(frozen[:, -1] & (retired_at == NEVER), k, retired_at)
+            newly, prefix_done = counts.retire(res, tol, k, prefix, group)
+            frozen = torch.where(alive, frozen | newly, frozen)
+            retired_at = torch.where(alive & prefix_done & (retired_at == NEVER), k, retired_at)
         else:
             z_next = torch.where(alive, z_next, z)
         with torch.no_grad():

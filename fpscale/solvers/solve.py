@@ -26,7 +26,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
           *, training: bool | None = None, consensus: Consensus | None = None,
           state_reduce: StateReduce | None = None, max_iter: int | None = None,
           real: torch.Tensor | None = None, iterate_free: bool = False,
-          agree: Agree | None = None, min_iter: int = 0, prefix: torch.Tensor | None = None,
+          agree: Agree | None = None, min_iter: int = 0, prefix: torch.Tensor | None = None, group: int = 1,
           on_final: Callable[[], None] | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
@@ -45,6 +45,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                token's solve covers the iterations its past's per-iteration caches recorded)
     prefix     [B] long, per token: the iteration from which the tokens before z0's are all done
                (cached decoding: the previous chunk's ``stats.retired_at``; the prefix rule)
+    group      entries of z per token (fpsa's heads, ``halting: head``): the unit of ``decisions: token``
     on_final   called once the iteration loop ended, before f is applied to z* (the output step, or
                the implicit backward's one application): cached decoding's f then reads the past's
                final entries (fpscale.layers.step_cache)
@@ -82,7 +83,7 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     with torch.enable_grad() if unroll else torch.no_grad():
         result = run_loop(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
                           state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
-                          min_iter=min(min_iter, cap), prefix=prefix)
+                          min_iter=min(min_iter, cap), prefix=prefix, group=group)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
                         final_eta=result.eta, tol=cfg.tol, retired_at=result.retired_at)

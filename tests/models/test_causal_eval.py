@@ -24,15 +24,15 @@ MODES = ["implicit", "phantom", "jfb", "unroll"]
 LOOPED = [t for t in LAYER_TYPES if t != "attn"]
 
 
-def build(layer_type: str, solver: dict, dtype=torch.float64, seed: int = 0, around: bool = True):
+def build(layer_type: str, solver: dict, dtype=torch.float64, seed: int = 0, around: bool = True, **spec):
     """A tiny LM: attn, the looped layer, attn (``around``), dropout off."""
     torch.manual_seed(seed)
-    return fpscale.build_model(config(layer_type, solver, around)).to(dtype).eval()
+    return fpscale.build_model(config(layer_type, solver, around, **spec)).to(dtype).eval()
 
 
-def config(layer_type: str, solver: dict, around: bool = True):
+def config(layer_type: str, solver: dict, around: bool = True, **spec):
     cfg = fpscale.load_config(None, [])
-    looped = layer_spec(layer_type)
+    looped = layer_spec(layer_type, **spec)
     if looped.looped:
         looped.solver = dict(solver)
     layers = [layer_spec("attn"), looped, layer_spec("attn")] if around else [looped]
@@ -113,10 +113,13 @@ def assert_not_converged(model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
                          ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layer_type", LOOPED)
+@pytest.mark.parametrize("layer_type", LOOPED + ["fpsa-heads"])
 @torch.no_grad()
 def test_causal_and_cached_decoding_when_the_solve_does_not_converge(layer_type, dtype):
-    model = build(layer_type, {**STALL, "tol": 1e-12 if dtype == torch.float32 else 0.0}, dtype=dtype)
+    """(fpsa-heads: ``halting: head``, whose state holds a token's heads as entries: the token is the unit.)"""
+    spec = {"halting": "head"} if layer_type == "fpsa-heads" else {}
+    model = build(layer_type.split("-")[0], {**STALL, "tol": 1e-12 if dtype == torch.float32 else 0.0}, dtype=dtype,
+                  **spec)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(0, VOCAB, (2, 2 * T), generator=g)
     logits = model(x)

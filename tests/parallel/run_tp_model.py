@@ -69,7 +69,10 @@ CASES = {
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
                        "model.layers.0.max_steps=3"],
 }
-TOL = dict(rtol=1e-9, atol=1e-12)     # float64; observed <= 3e-11 (other summation order)
+# float64; observed <= 3e-11 (other summation order). atol was 1e-12: with per-token retirement
+# (solver.decisions: token, issue 36) fpmamba-authors-lm-jfb's embedding gradient differs by 1.06e-11
+# where the gradients reach 0.1 (per sample it stays within 1e-12); every other case as before
+TOL = dict(rtol=1e-9, atol=3e-11)
 
 
 def check_case(name, overrides, state, tokens, targets):
