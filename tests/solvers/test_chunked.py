@@ -110,9 +110,9 @@ SOLVER = {"tol": 1e-3, "max_iter": 12, "stop_quantile": 0.25, "patience": 2, "de
           "backward_tol": 1e-6, "backward_max_iter": 15}
 
 
-def step_of(kind: str, backward: str, chunk: int):
+def step_of(kind: str, backward: str, chunk: int, **spec):
     model = tiny_model(kind, dtype=torch.float64, solver={**SOLVER, "backward": backward, "chunk": chunk,
-                                                          "freeze_converged": kind == "fpsa"})
+                                                          "freeze_converged": kind == "fpsa"}, **spec)
     model.train()
     x = token_batches(32, n=1, batch=4, seq=12)[0]
     with count_host_reads() as reads:
@@ -171,6 +171,17 @@ def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind, monkeypatc
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+
+
+def test_fpsa_per_head_entries_as_eager(eager_chunks):
+    """fpsa with ``halting: head``: several state entries per token (the loop's ``group``)."""
+    la, ga, sa, _ = step_of("fpsa", "implicit", 0, halting="head")
+    lb, gb, sb, _ = step_of("fpsa", "implicit", 3, halting="head")
+    assert (sb.iterations, sb.stopped_by, sb.backward_iterations) == \
+        (sa.iterations, sa.stopped_by, sa.backward_iterations)
+    torch.testing.assert_close(lb, la, rtol=1e-12, atol=0)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("decisions", ["token", "sample"])
