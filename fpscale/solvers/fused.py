@@ -22,8 +22,8 @@ Here one iteration is f, then
            (grid B: each token's best, patience and next damping, the sample's [non-finite,
            unconverged, movable]) and ``_decide_samples`` (grid 1: the decision), 5 kernels
   update   z' = eta f(z) + (1 - eta) z (eta per sample or per token; per token a token retires
-           once every token up to it converged or stalled: ``_tokens`` decides), holding frozen tokens and, once a residual went
-           non-finite, every token; the frozen flags and the last finite residual per token
+           once every token up to it converged or stalled: ``_tokens`` decides), holding frozen tokens
+           and, once a residual went non-finite, every token; the frozen flags and the last finite residual per token
                                                                     grid: blocks of tokens
 and, at the iterations the read schedule names, one host read of the decision (5 int64).
 f(z) may be in any dtype (cast in the kernels: no copy); the state, residuals and damping stay
@@ -291,8 +291,8 @@ if AVAILABLE:
 
     @triton.jit
     def _update(z_ptr, f_ptr, out_ptr, eta_ptr, frozen_ptr, tres_ptr, res_ptr, alive_ptr, consts_ptr, N, D, T,
-                eta_out_ptr, retire_ptr, retired_at_ptr, k, FREEZE: tl.constexpr, TOKEN: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                eta_out_ptr, retire_ptr, retired_at_ptr, k, FREEZE: tl.constexpr, TOKEN: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         """The damped step and freezing. ``TOKEN`` (``decisions: token``): eta per token, a token
         retires where ``_tokens`` said (every token up to it converged or stalled), and the
         next eta is held once a residual went non-finite."""
@@ -397,7 +397,8 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
         agreed = flags if consensus is None else consensus(flags)
         if token:
             _launch(_tokens, (B,), agreed, res, best, patience_left, eta, eta_next, consts, per_sample, retire,
-                    prefix, k, B, T, cfg.patience, PATIENCE=cfg.patience > 0, HAS_PREFIX=prefix is not retired_at, BLOCK_T=min(_pow2(T), 1024))
+                    prefix, k, B, T, cfg.patience, PATIENCE=cfg.patience > 0, HAS_PREFIX=prefix is not retired_at,
+                    BLOCK_T=min(_pow2(T), 1024))
             _launch(_decide_samples, (1,), per_sample, alive, first_bad, decision, counts, B, k, limit,
                     AGREE=agree is not None, BLOCK_B=_pow2(B))
         else:
@@ -409,8 +410,8 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
                     ETA=not token, BLOCK_B=_pow2(B))
         z_next = torch.empty_like(z)
         _launch(_update, grid_rows, z, fz, z_next, eta, frozen, token_res, res, alive, consts, N, D, T,
-                eta_next, retire, retired_at, k, FREEZE=cfg.freeze_converged, TOKEN=token, BLOCK_R=block_r, BLOCK_D=block_d,
-                enable_fp_fusion=False)
+                eta_next, retire, retired_at, k, FREEZE=cfg.freeze_converged, TOKEN=token, BLOCK_R=block_r,
+                BLOCK_D=block_d, enable_fp_fusion=False)
         z, eta, eta_next = z_next, eta_next, eta
         if k == max_iter or (every is not None and k % every == 0):
             n_unconverged, met, stalled, nonfinite, bad_at = decision.tolist()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fpscale
-from fpscale.models import LAYER_TYPES, ModelConfig, layer_spec
 from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.models import LAYER_TYPES, ModelConfig, layer_spec
 from fpscale.train.validation import validate
 
 VOCAB, D, T = 32, 32, 12
@@ -164,8 +164,9 @@ def test_the_hf_model_outputs_the_grad_mode_forward(layer_type, tmp_path):
     """The exported model (the bundled code, loaded by transformers) evaluates, with and without its
     cache, what the fpscale model's grad-mode forward computes (phantom: f^3 after the solve)."""
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import save_file
     import yaml
+    from safetensors.torch import save_file
+
     from fpscale.hf.export import export_hf
     from fpscale.typed import to_dict
 

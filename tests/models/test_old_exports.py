@@ -10,8 +10,9 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "premove_export"
 
 
 def test_an_export_from_before_the_move_loads_and_gives_its_logits():
-    from fpscale.train.checkpoint import load_model
     import dataclasses
+
+    from fpscale.train.checkpoint import load_model
     model, _ = load_model(str(FIXTURE))
     model = model.double().eval()
     # the fixture's logits were computed before issue 36 changed what evaluation computes (z*, not the

@@ -242,8 +242,9 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
 
 @interpreted
 def test_kernel_four_kernels_and_one_read_per_iteration():
-    """Beside f, an iteration is the 4 kernels (5 per token, the default) and the new iterate's allocation; the eager schedule reads
-    once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40 aten ops."""
+    """Beside f, an iteration is the 4 kernels (5 per token, the default) and the new iterate's allocation; the
+    eager schedule reads once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40
+    aten ops."""
     per_iteration = {}
     for mode in ("torch", "fused"):
         counts = []
