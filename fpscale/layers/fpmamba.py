@@ -213,6 +213,10 @@ class FPMambaBlock(torch.nn.Module):
         self.dropout = cfg.dropout
         self.checkpoint = layer_mode(cfg, spec)
 
+    def compile_regions(self) -> tuple[str, ...]:
+        """What ``train.compile: blocks`` compiles: the MLP sublayer after the solve, if any."""
+        return ("mlp_sublayer",) if self.mlp is not None else ()
+
     def mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 

@@ -21,6 +21,7 @@ from fpscale.log import get_logger
 from fpscale.models import build_model
 from fpscale.ops import kernels
 from fpscale.parallel import agree
+from fpscale.parallel.compile import apply_compile
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -161,6 +162,7 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
+        apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))

@@ -336,13 +336,13 @@ def test_the_adjoint_solve_tests_its_current_residual(monkeypatch):
     import fpscale.solvers.backward as backward
     from fpscale.solvers import solve
     seen = []
-    real_iterate = backward.iterate
+    real_iterate = backward.run_loop
 
     def spy(step, z0, cfg, **kw):
         seen.append(cfg.stop_residual)
         return real_iterate(step, z0, cfg, **kw)
 
-    monkeypatch.setattr(backward, "iterate", spy)
+    monkeypatch.setattr(backward, "run_loop", spy)
     W = torch.randn(4, 4, dtype=torch.float64) * 0.2
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     cfg = SolverConfig(tol=1e-8, max_iter=100, stop_residual="best", backward="implicit", backward_tol=1e-10)
