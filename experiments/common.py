@@ -123,6 +123,14 @@ def run_key(cfg) -> str:
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)
+    from fpscale.train.optim_config import MuonConfig
+    from fpscale.typed import to_dict
+    # train keys added after runs were kept (issue 37): left out at their defaults
+    for k, default in (("optimizer", "adamw"), ("schedule", "cosine"), ("decay_fraction", 0.2),
+                       ("decay_shape", "linear"), ("lr_scale", {}), ("group_weight_decay", {}), ("group_betas", {}),
+                       ("group_override", {}), ("muon", to_dict(MuonConfig()))):
+        if d["train"].get(k) == default:
+            d["train"].pop(k)
     d["data"].pop("path", None)
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

@@ -130,6 +130,11 @@ class AttnBlock(torch.nn.Module):
         self.dropout = cfg.dropout
         self.checkpoint = layer_mode(cfg, spec)
 
+    def compile_regions(self) -> tuple[str, ...]:
+        """What ``train.compile: blocks`` compiles (fpscale.parallel.compile): the whole block, or,
+        where the attention is a solve, the MLP sublayer after it."""
+        return ("mlp_sublayer",) if self.looped_attention else ("forward",)
+
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout,
                          getattr(spec, "qk_norm", False), cfg.vocab_size if getattr(spec, "value_embed", False) else 0)

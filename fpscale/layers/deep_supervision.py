@@ -52,8 +52,9 @@ import torch
 from fpscale.errors import check
 from fpscale.layers.checkpointing import recompute
 from fpscale.solvers.backward import attach_implicit, phantom
+from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Carry, IterateResult, fresh_state, iterate, state_dtype
+from fpscale.solvers.iterate import Carry, IterateResult, fresh_state, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -113,9 +114,9 @@ def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
     start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))
     carry = plan.carry if plan.carry is not None else fresh_carry(z0, cfg)
     replay = plan.result is not None
-    result = iterate(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
-                     state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
-                     agree=agree, carry=carry)
+    result = run_loop(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
+                      state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
+                      agree=agree, carry=carry)
     if replay:
         if result.iterations != plan.result.iterations:
             raise RuntimeError(f"deep supervision: the recomputed window took {result.iterations} iterations, the "

@@ -53,7 +53,8 @@ from fpscale.layers.common import (
     wide,
 )
 from fpscale.layers.fixed_point import FixedPointLayer
-from fpscale.layers.fpmamba import FPMambaBlock, scan_flops, shift_in, weight_norm_groups, weight_normed
+from fpscale.layers.fpmamba import FPMambaBlock
+from fpscale.layers.fpmamba_map import scan_flops, shift_in, weight_norm_groups, weight_normed
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.step_cache import StepCache, replace
@@ -214,7 +215,7 @@ class FPMamba2Mixer(FixedPointLayer):
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The mixer's and feedback weights as f uses them (weight-normed: fpmamba.weight_normed)."""
+        """The mixer's and feedback weights as f uses them (weight-normed: fpmamba_map.weight_normed)."""
         out = dict(self.mixer_params())
         out.update(y_proj=self.y_proj, z_y_proj=self.z_y_proj)
         return weight_normed(self, out, self.wn_groups)

@@ -24,8 +24,9 @@ from typing import Callable
 
 import torch
 
+from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token, iterate
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
 
@@ -70,8 +71,8 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             return (vjp + g) * mask
 
         with torch.no_grad():
-            result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
-                             state_reduce=state_reduce, agree=agree)
+            result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
+                              state_reduce=state_reduce, agree=agree)
         stats.backward_iterations = result.iterations
         # a device scalar: read with the other statistics at a log step, never here
         stats.backward_residual = (result.token_res.max() if result.token_res.numel()

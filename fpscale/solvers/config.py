@@ -93,6 +93,10 @@ class SolverConfig:
                          damped step as 4 Triton kernels (fpscale.solvers.fused) or as about 40
                          PyTorch ops. auto (default): fused on CUDA where Triton imports. Solves with
                          autograd through the loop (unroll's training solve) or Anderson stay torch
+      chunk              K > 0: run the iterations in chunks of K, every stop / freeze / damping decision a
+                         device mask, one host read per chunk, each chunk compiled as one graph where
+                         it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
+                         above (check_every, bookkeeping)
       compile            torch.compile the layer's iteration step (one application of f, with
                          dynamic=False); the iteration loop stays in Python, so a different
                          iteration count never recompiles. Off until measured on the target device
@@ -127,6 +131,7 @@ class SolverConfig:
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
+    chunk: int = 0
 
     def validate(self, prefix: str = "") -> None:
         def key(name: str) -> str:
@@ -170,6 +175,9 @@ class SolverConfig:
         check(not (self.bookkeeping == "fused" and self.norm == "sample_l2"), key("bookkeeping"),
               "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
               "PyTorch bookkeeping: use auto or torch")
+        check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
+        check(not (self.chunk and self.anderson), key("chunk"),
+              f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
         check(self.eval_output in ("step", "iterate"), key("eval_output"),
               f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
               f"(the last iterate z*), got {self.eval_output!r}")

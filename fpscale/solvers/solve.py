@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
+from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, iterate, state_dtype
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -80,9 +81,9 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
         return apply_once(f, z0, cfg, cap, real)
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
-        result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                         state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
-                         min_iter=min(min_iter, cap), prefix=prefix, group=group)
+        result = run_loop(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
+                          state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
+                          min_iter=min(min_iter, cap), prefix=prefix, group=group)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
                         final_eta=result.eta, tol=cfg.tol, retired_at=result.retired_at)

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpscale.layers.fpmamba import AUTHORS_SOLVER, DEFAULTS, PRESETS, FPMambaMixer
+from fpscale.layers.fpmamba import AUTHORS_SOLVER, DEFAULTS, PRESETS
+from fpscale.layers.fpmamba_map import FPMambaMixer
 from fpscale.layers.mixers import _normalized_psd, kronecker_factors
 from fpscale.models import layer_spec
 from fpscale.solvers import SolverConfig
@@ -260,7 +261,7 @@ def test_authors_lm_output_is_layernormed_and_y_reaches_b_c_not_delta(monkeypatc
         seen.append((delta, Bm, Cm))
         return real_scan(x_t, delta, A, Bm, Cm, h0)
 
-    import fpscale.layers.fpmamba as fpm
+    import fpscale.layers.fpmamba_map as fpm  # the map calls the scan
     real_scan = fpm.scan
     monkeypatch.setattr(fpm, "scan", spy)
     with torch.no_grad():
@@ -335,13 +336,13 @@ def test_the_adjoint_solve_tests_its_current_residual(monkeypatch):
     import fpscale.solvers.backward as backward
     from fpscale.solvers import solve
     seen = []
-    real_iterate = backward.iterate
+    real_iterate = backward.run_loop
 
     def spy(step, z0, cfg, **kw):
         seen.append(cfg.stop_residual)
         return real_iterate(step, z0, cfg, **kw)
 
-    monkeypatch.setattr(backward, "iterate", spy)
+    monkeypatch.setattr(backward, "run_loop", spy)
     W = torch.randn(4, 4, dtype=torch.float64) * 0.2
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     cfg = SolverConfig(tol=1e-8, max_iter=100, stop_residual="best", backward="implicit", backward_tol=1e-10)

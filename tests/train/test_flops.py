@@ -25,7 +25,7 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     from torch.utils.flop_counter import FlopCounterMode
 
     from fpscale.layers.common import attention_score_flops
-    from fpscale.layers.fpmamba import scan_flops, scan_read_flops
+    from fpscale.layers.fpmamba_map import scan_flops, scan_read_flops
     from tests.layers import damped_mlp  # noqa: F401  (registers the type)
     from tests.models.helpers import tiny_config
 
