@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ class AttnSpec(LayerSpec):
     (Attractor's backbone init: orthogonal q/k/v/fc at std sqrt(2/(5d)), zero output projections)."""
 
     type: str = "attn"
+    inits: ClassVar[tuple[str, ...]] = ("fpscale", "scaled_zero_ortho")     # Attractor's: fpscale.layers.switches
     mlp: str = "swiglu"
     qk_norm: bool = False
     init: str = "fpscale"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,7 @@ class AttractorSpec(FixedPointSpec):
     ``layer_scale_init``); mlp, qk_norm and init as ``attn``'s switches, Attractor's by default."""
 
     type: str = "attractor"
+    inits: ClassVar[tuple[str, ...]] = ("fpscale", "scaled_zero_ortho")     # Attractor's: fpscale.layers.switches
     head_blocks: int = 1
     gate_init: float = 0.75
     gamma_max: float = 0.75
