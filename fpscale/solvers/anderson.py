@@ -4,7 +4,7 @@ attractor/models/attractor/solvers.py), as settings of fpscale's one solver loop
 (fpscale.solvers.iterate), so TP consensus, DP agreement, host-read schedules, statistics and the
 implicit backward serve it as they serve every other solve.
 
-What differs from fpscale's default Anderson mixing (``fpscale.solvers.iterate._Anderson``):
+What differs from fpscale's default Anderson mixing (``AndersonMixing``, below):
   * lambda is absolute: H = G G^T + lambda I (solvers.py:72-75); fpscale scales it by the Gram's
     mean diagonal
   * the (m + 1) x (m + 1) bordered system is solved in float32 whatever the state's dtype
@@ -102,3 +102,39 @@ def min_iterations(cfg, cap: int) -> int:
     if cfg.anderson and cfg.anderson_variant == "attractor" and cap >= PLAIN_STEPS + 1:
         floor = max(floor, PLAIN_STEPS + 1)
     return min(floor, cap)
+
+
+class AndersonMixing:
+    """Type-II Anderson mixing per sample over a window of m past (z, f(z)) pairs."""
+
+    def __init__(self, window: int, lam: float, state_reduce=None):
+        self.window, self.lam, self.state_reduce = window, lam, state_reduce
+        self.xs: list[torch.Tensor] = []
+        self.fs: list[torch.Tensor] = []
+
+    def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+        """``eta``: [B] damping per sample."""
+        self.xs.append(z.flatten(1))
+        self.fs.append(fz.flatten(1))
+        if len(self.xs) > self.window:
+            self.xs.pop(0)
+            self.fs.pop(0)
+        n = len(self.xs)
+        eta = eta[:, None]
+        if n == 1:
+            return (eta * fz.flatten(1) + (1 - eta) * z.flatten(1)).view_as(z)
+        X, F = torch.stack(self.xs, 1), torch.stack(self.fs, 1)          # [B, n, D]
+        G = (F - X).double()
+        B = X.shape[0]
+        H = torch.zeros(B, n + 1, n + 1, dtype=torch.float64, device=z.device)
+        H[:, 0, 1:] = H[:, 1:, 0] = 1
+        gram = G @ G.transpose(1, 2)
+        if self.state_reduce is not None:     # the state is split over ranks: sum the partial Gram
+            gram = self.state_reduce(gram, "sum")
+        scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
+        H[:, 1:, 1:] = gram + self.lam * scale * torch.eye(n, dtype=torch.float64, device=z.device)
+        rhs = torch.zeros(B, n + 1, 1, dtype=torch.float64, device=z.device)
+        rhs[:, 0] = 1
+        alpha = torch.linalg.solve(H, rhs)[:, 1:, 0].to(z.dtype)[:, None]   # [B, 1, n]
+        mixed = eta * (alpha @ F)[:, 0] + (1 - eta) * (alpha @ X)[:, 0]
+        return mixed.view_as(z)

@@ -46,19 +46,23 @@ count reports the one that went non-finite, as the eager solve does.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from fpscale.solvers.anderson import AttractorAnderson, min_iterations, sample_residual
+from fpscale.solvers.anderson import AndersonMixing, AttractorAnderson, min_iterations, sample_residual
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import AVAILABLE as FUSED_AVAILABLE
 from fpscale.solvers.fused import FUSED_ERROR, iterate_fused, runnable
 from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, check_step_output, state_dtype
-from fpscale.solvers.stop_rule import stop_residual
+from fpscale.solvers.stop_rule import (
+    StopDecision,
+    StopFlags,
+    quantile_limit,
+    read_schedule,
+    stop_residual,
+)
 
 # A consensus callable takes a small int64 tensor of flags (StopFlags.pack) and returns their
 # element-wise maximum over a process group, so every rank of that group takes the same decision.
@@ -130,121 +134,6 @@ def _damped_step(z, fz, eta, anderson, by_token: bool, group: int = 1) -> torch.
         rows = z.shape[0] * z.shape[1]
         return anderson.step(z.reshape(rows, 1, -1), fz.reshape(rows, 1, -1), eta.reshape(rows)).view_as(z)
     return anderson.step(z, fz, eta)
-
-
-class _Anderson:
-    """Type-II Anderson mixing per sample over a window of m past (z, f(z)) pairs."""
-
-    def __init__(self, window: int, lam: float, state_reduce: StateReduce | None = None):
-        self.window, self.lam, self.state_reduce = window, lam, state_reduce
-        self.xs: list[torch.Tensor] = []
-        self.fs: list[torch.Tensor] = []
-
-    def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        """``eta``: [B] damping per sample."""
-        self.xs.append(z.flatten(1))
-        self.fs.append(fz.flatten(1))
-        if len(self.xs) > self.window:
-            self.xs.pop(0)
-            self.fs.pop(0)
-        n = len(self.xs)
-        eta = eta[:, None]
-        if n == 1:
-            return (eta * fz.flatten(1) + (1 - eta) * z.flatten(1)).view_as(z)
-        X, F = torch.stack(self.xs, 1), torch.stack(self.fs, 1)          # [B, n, D]
-        G = (F - X).double()
-        B = X.shape[0]
-        H = torch.zeros(B, n + 1, n + 1, dtype=torch.float64, device=z.device)
-        H[:, 0, 1:] = H[:, 1:, 0] = 1
-        gram = G @ G.transpose(1, 2)
-        if self.state_reduce is not None:     # the state is split over ranks: sum the partial Gram
-            gram = self.state_reduce(gram, "sum")
-        scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
-        H[:, 1:, 1:] = gram + self.lam * scale * torch.eye(n, dtype=torch.float64, device=z.device)
-        rhs = torch.zeros(B, n + 1, 1, dtype=torch.float64, device=z.device)
-        rhs[:, 0] = 1
-        alpha = torch.linalg.solve(H, rhs)[:, 1:, 0].to(z.dtype)[:, None]   # [B, 1, n]
-        mixed = eta * (alpha @ F)[:, 0] + (1 - eta) * (alpha @ X)[:, 0]
-        return mixed.view_as(z)
-
-
-@dataclass
-class StopFlags:
-    """What one rank saw in one iteration, as the flags its TP group agrees on.
-
-    Each flag is set when *any* rank saw it, so the agreement is an element-wise MAX; ``pack``
-    lays the flags out as one int64 tensor ``[nonfinite, unconverged (n), no_progress (n)]``
-    for a single all-reduce and ``unpack`` reads the agreed tensor back. A unit is a sample
-    ([B], ``decisions: sample``) or a token ([B, T], ``decisions: token``).
-    """
-    nonfinite: torch.Tensor     # [] bool: some residual is not finite
-    unconverged: torch.Tensor   # [B] or [B, T] bool: the unit's residual >= tol
-    no_progress: torch.Tensor   # [B] or [B, T] bool: the unit's residual is not a new best
-
-    def pack(self) -> torch.Tensor:
-        return torch.cat([self.nonfinite.view(1), self.unconverged.flatten(), self.no_progress.flatten()]).long()
-
-    @classmethod
-    def unpack(cls, packed: torch.Tensor, units: int | tuple) -> StopFlags:
-        shape = (units,) if isinstance(units, int) else tuple(units)
-        n = math.prod(shape)
-        return cls(nonfinite=packed[0].bool(), unconverged=packed[1:n + 1].bool().view(shape),
-                   no_progress=packed[n + 1:].bool().view(shape))
-
-
-@dataclass
-class StopDecision:
-    """The host's view of one iteration's agreed flags, read in the iteration's one sync."""
-    unconverged: int        # samples still unconverged
-    quantile_met: bool      # at most floor(p * B) of them: the quantile rule stops the solve
-    stalled: bool           # no unconverged sample's eta is at or above eta_min: none can move
-    nonfinite: bool         # a residual was not finite on some rank
-
-    @classmethod
-    def read(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
-             nonfinite: torch.Tensor) -> StopDecision:
-        """Bring the four device scalars to the host with one synchronisation."""
-        n, met, stuck, bad = torch.stack([unconverged, quantile_met, stalled, nonfinite]).tolist()
-        return cls(int(n), bool(met), bool(stuck), bool(bad))
-
-
-    @classmethod
-    def read_lagged(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
-                    nonfinite: torch.Tensor, first_bad: torch.Tensor) -> tuple[StopDecision, int]:
-        """As ``read``, plus the iteration that first went non-finite since the solve began
-        (remembered on the device between reads), in the same one synchronisation."""
-        n, met, stuck, bad, k = torch.stack([unconverged.long(), quantile_met.long(), stalled.long(),
-                                             nonfinite.long(), first_bad.long()]).tolist()
-        return cls(int(n), bool(met), bool(stuck), bool(bad)), int(k)
-
-
-def quantile_limit(quantile: float, batch: int) -> int:
-    """How many of ``batch`` samples may stay unconverged when the solve stops: floor(p * B)."""
-    return math.floor(quantile * batch + 1e-9)
-
-
-def eta_min_stop_within(cfg: SolverConfig, cap: int) -> bool:
-    """Whether the eta_min stop could fire within ``cap`` iterations: every sample needs n decays
-    (damping * decay^n < eta_min) and each decay ``patience`` iterations without progress. A
-    conservative bound (a margin on eta_min, iteration 1 counted as if it could stagnate)."""
-    if cfg.patience <= 0 or cfg.eta_min <= 0:
-        return False
-    eta, decays = cfg.damping, 0
-    while eta >= cfg.eta_min * (1 + 1e-6):
-        eta *= cfg.decay
-        decays += 1
-    return decays * cfg.patience <= cap
-
-
-def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
-    """Every how many iterations the host reads the stop decision: ``cfg.check_every``, or None
-    when no stop rule can fire within ``cap`` (tol 0: no sample ever counts as converged, so
-    neither the quantile rule nor convergence can stop it; and no eta_min stop within the cap),
-    in which case the cap runs with one read at its end. A function of the config and the cap
-    alone: every rank of a tensor-parallel group reads at the same iterations."""
-    if cfg.tol <= 0 and not eta_min_stop_within(cfg, cap):
-        return None
-    return cfg.check_every
 
 
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
@@ -332,7 +221,7 @@ def _make_anderson(cfg: SolverConfig, state_reduce, cap: int):
         return None
     if cfg.anderson_variant == "attractor":
         return AttractorAnderson(cfg.anderson, cfg.anderson_lambda, state_reduce, plain_only=cap < 3)
-    return _Anderson(cfg.anderson, cfg.anderson_lambda, state_reduce)
+    return AndersonMixing(cfg.anderson, cfg.anderson_lambda, state_reduce)
 
 
 def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:

@@ -1,4 +1,8 @@
-"""Which residual a sample's convergence test reads (``solver.stop_residual``).
+"""The stop rule: which residual a unit's convergence test reads (``solver.stop_residual``), the flags a
+TP group agrees on each iteration (``StopFlags``), the host's view of them (``StopDecision``), the quantile
+limit, and when the host reads (``read_schedule``). The loop that applies them is fpscale.solvers.iterate.
+
+``solver.stop_residual``:
 
   current   the residual of this iteration (fpscale's default): a sample counts as converged
             while its latest step is below ``tol``
@@ -9,11 +13,15 @@
             and ``cont`` takes the quantile of those, with their own TODO asking whether the
             current one should be used)
 
-Kept apart from fpscale.solvers.iterate so the rule is one function the loop calls.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+
+from fpscale.solvers.config import SolverConfig
 
 STOP_RESIDUALS = ("current", "best")
 
@@ -27,3 +35,82 @@ def stop_residual(rule: str, sample_res: torch.Tensor, best: torch.Tensor) -> to
     if rule == "best":
         return torch.where(torch.isfinite(sample_res), torch.minimum(sample_res, best), sample_res)
     raise ValueError(f"unknown stop_residual {rule!r}: one of {', '.join(STOP_RESIDUALS)}")
+
+
+@dataclass
+class StopFlags:
+    """What one rank saw in one iteration, as the flags its TP group agrees on.
+
+    Each flag is set when *any* rank saw it, so the agreement is an element-wise MAX; ``pack``
+    lays the flags out as one int64 tensor ``[nonfinite, unconverged (n), no_progress (n)]``
+    for a single all-reduce and ``unpack`` reads the agreed tensor back. A unit is a sample
+    ([B], ``decisions: sample``) or a token ([B, T], ``decisions: token``).
+    """
+    nonfinite: torch.Tensor     # [] bool: some residual is not finite
+    unconverged: torch.Tensor   # [B] or [B, T] bool: the unit's residual >= tol
+    no_progress: torch.Tensor   # [B] or [B, T] bool: the unit's residual is not a new best
+
+    def pack(self) -> torch.Tensor:
+        return torch.cat([self.nonfinite.view(1), self.unconverged.flatten(), self.no_progress.flatten()]).long()
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, units: int | tuple) -> StopFlags:
+        shape = (units,) if isinstance(units, int) else tuple(units)
+        n = math.prod(shape)
+        return cls(nonfinite=packed[0].bool(), unconverged=packed[1:n + 1].bool().view(shape),
+                   no_progress=packed[n + 1:].bool().view(shape))
+
+
+@dataclass
+class StopDecision:
+    """The host's view of one iteration's agreed flags, read in the iteration's one sync."""
+    unconverged: int        # samples still unconverged
+    quantile_met: bool      # at most floor(p * B) of them: the quantile rule stops the solve
+    stalled: bool           # no unconverged sample's eta is at or above eta_min: none can move
+    nonfinite: bool         # a residual was not finite on some rank
+
+    @classmethod
+    def read(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
+             nonfinite: torch.Tensor) -> StopDecision:
+        """Bring the four device scalars to the host with one synchronisation."""
+        n, met, stuck, bad = torch.stack([unconverged, quantile_met, stalled, nonfinite]).tolist()
+        return cls(int(n), bool(met), bool(stuck), bool(bad))
+
+
+    @classmethod
+    def read_lagged(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
+                    nonfinite: torch.Tensor, first_bad: torch.Tensor) -> tuple[StopDecision, int]:
+        """As ``read``, plus the iteration that first went non-finite since the solve began
+        (remembered on the device between reads), in the same one synchronisation."""
+        n, met, stuck, bad, k = torch.stack([unconverged.long(), quantile_met.long(), stalled.long(),
+                                             nonfinite.long(), first_bad.long()]).tolist()
+        return cls(int(n), bool(met), bool(stuck), bool(bad)), int(k)
+
+
+def quantile_limit(quantile: float, batch: int) -> int:
+    """How many of ``batch`` samples may stay unconverged when the solve stops: floor(p * B)."""
+    return math.floor(quantile * batch + 1e-9)
+
+
+def eta_min_stop_within(cfg: SolverConfig, cap: int) -> bool:
+    """Whether the eta_min stop could fire within ``cap`` iterations: every sample needs n decays
+    (damping * decay^n < eta_min) and each decay ``patience`` iterations without progress. A
+    conservative bound (a margin on eta_min, iteration 1 counted as if it could stagnate)."""
+    if cfg.patience <= 0 or cfg.eta_min <= 0:
+        return False
+    eta, decays = cfg.damping, 0
+    while eta >= cfg.eta_min * (1 + 1e-6):
+        eta *= cfg.decay
+        decays += 1
+    return decays * cfg.patience <= cap
+
+
+def read_schedule(cfg: SolverConfig, cap: int) -> int | None:
+    """Every how many iterations the host reads the stop decision: ``cfg.check_every``, or None
+    when no stop rule can fire within ``cap`` (tol 0: no sample ever counts as converged, so
+    neither the quantile rule nor convergence can stop it; and no eta_min stop within the cap),
+    in which case the cap runs with one read at its end. A function of the config and the cap
+    alone: every rank of a tensor-parallel group reads at the same iterations."""
+    if cfg.tol <= 0 and not eta_min_stop_within(cfg, cap):
+        return None
+    return cfg.check_every
