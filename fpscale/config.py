@@ -110,10 +110,15 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key."""
     if not isinstance(data, dict):
         raise TypeError("config data must be a mapping")
+    asked = "zero_stage" in (data.get("parallel") or {})       # set by the YAML itself, or ...
     data = _merge(to_dict(Config()), data)
     for override in overrides:
         apply_override(data, override)
-    return from_dict(Config, data)
+        asked = asked or override.split("=", 1)[0].strip() == "parallel.zero_stage"     # ... by an override
+    cfg = from_dict(Config, data)
+    if cfg.parallel.engine == "auto" and asked and cfg.parallel.zero_stage > 0:
+        cfg.parallel.engine = "deepspeed"      # ZeRO asked for: DeepSpeed, one process too (parallel.engine)
+    return cfg
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
