@@ -66,11 +66,13 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
             "train.export_final=false", "train.save_interval=0", f"train.out_dir={out / 'runs'}"]
     tiny += (["train.steps=20", "data.seq_len=256", "train.global_batch=8", "train.micro_batch=8",
               "train.precision=bf16"] if gpu else
-             ["train.steps=3", "data.seq_len=32", "train.global_batch=2", "train.micro_batch=2", "train.precision=bf16"])
+             ["train.steps=3", "data.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
+              "train.precision=bf16"])
     steps = [{"name": "env", "cmd": [py, "-c", environment_code()], "cap": 120, "read": "json"},
              {"name": "kernels", "cap": 240, "read": "pytest",
-              "cmd": [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/models/test_kernels_on_device.py",
-                      "tests/solvers/test_fused.py", *([] if gpu else ["-m", "not slow"])]}]
+              "cmd": [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                      "tests/models/test_kernels_on_device.py", "tests/solvers/test_fused.py",
+                      *([] if gpu else ["-m", "not slow"])]}]
     for zero in (1, 3):
         for book in ("auto", "torch"):
             name = f"ds_zero{zero}" + ("_torch" if book == "torch" else "")

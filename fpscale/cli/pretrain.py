@@ -6,8 +6,10 @@
     torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_mixed.yaml
 
 Several processes train through DeepSpeed (ZeRO stage parallel.zero_stage); one process trains
-with torch's AdamW, or through DeepSpeed where the ``deepspeed`` launcher started it, parallel.zero_stage
-is set or parallel.engine=deepspeed (``deepspeed --num_gpus 1 launch/pretrain.py ...``: ZeRO on one GPU). The run directory runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
+with torch's AdamW, or through DeepSpeed where the ``deepspeed`` launcher started it, where
+parallel.zero_stage is set, or with parallel.engine=deepspeed (``deepspeed --num_gpus 1
+launch/pretrain.py ...``: ZeRO on one GPU, the cluster job's optimizer path). The run directory
+runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
 checkpoints/ (every train.save_interval steps and at the end) and, with train.export_final,
 final/ (whole weights as safetensors; launch/convert.py makes them from any checkpoint).
 ``train.resume: auto`` (the default) continues from the newest complete checkpoint.

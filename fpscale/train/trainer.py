@@ -159,7 +159,7 @@ class Trainer:
             self.heartbeat = Heartbeat.start(self.state.rank, self.state.world_size, cfg.parallel.timeout_s)
         if t.micro_batch == "auto":       # the largest that fits this device (fpscale.train.memory_plan)
             from fpscale.train.memory_plan import auto_micro_batch
-            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device)
+            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device, self.state.engine)
             cfg._check_solvers(t.micro_batch)
             if self.state.is_main and log:
                 logger.info("train.micro_batch: auto -> %d (the largest that fits, fpscale-plan)", t.micro_batch)
