@@ -9,6 +9,8 @@
 #   FPSCALE_SMOKE_CONFIG=configs/125m_fpmamba.yaml bash scripts/gpu_smoke.sh
 #   FPSCALE_SMOKE_CPU=1 bash scripts/gpu_smoke.sh     # the same runs, arguments and checks on 2 CPU
 #                                                     # processes (CI): the device is the only difference
+#   FPSCALE_SMOKE_CONFIG_OVERRIDES="model.layers.0.repeat=1" ...   # key=value overrides of the config's
+#                                                     # runs only (CI: fewer copies of each block)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
@@ -69,15 +71,16 @@ EOF
 }
 
 base=$(basename "$CONFIG" .yaml)
+read -r -a over <<< "${FPSCALE_SMOKE_CONFIG_OVERRIDES:-}"
 run tiny_mixed-1proc-auto 1 auto configs/tiny_mixed.yaml
 run tiny_mixed-1proc-sdpa 1 0 configs/tiny_mixed.yaml
-run "$base-1proc-auto" 1 auto "$CONFIG"
-run "$base-1proc-sdpa" 1 0 "$CONFIG"
+run "$base-1proc-auto" 1 auto "$CONFIG" "${over[@]}"
+run "$base-1proc-sdpa" 1 0 "$CONFIG" "${over[@]}"
 if [ "$NGPU" -gt 1 ]; then
     run "tiny_mixed-dp$NGPU-zero1" "$NGPU" auto configs/tiny_mixed.yaml parallel.zero_stage=1
     run "tiny_mixed-dp$NGPU-zero3" "$NGPU" auto configs/tiny_mixed.yaml parallel.zero_stage=3
-    run "$base-dp$NGPU-zero1" "$NGPU" auto "$CONFIG" parallel.zero_stage=1
-    run "$base-dp$NGPU-zero3" "$NGPU" auto "$CONFIG" parallel.zero_stage=3
-    run "$base-tp2xdp$((NGPU / 2))-zero1" "$NGPU" auto "$CONFIG" parallel.tp=2 parallel.zero_stage=1
+    run "$base-dp$NGPU-zero1" "$NGPU" auto "$CONFIG" parallel.zero_stage=1 "${over[@]}"
+    run "$base-dp$NGPU-zero3" "$NGPU" auto "$CONFIG" parallel.zero_stage=3 "${over[@]}"
+    run "$base-tp2xdp$((NGPU / 2))-zero1" "$NGPU" auto "$CONFIG" parallel.tp=2 parallel.zero_stage=1 "${over[@]}"
 fi
 exit $failed

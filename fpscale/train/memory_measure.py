@@ -174,7 +174,13 @@ def calibrate_head(cfg, vocab: int, device: str = "fake", engine: str = "deepspe
     small.model.layers = [layer_spec("attn")]
     from fpscale.models import build_model
     torch.manual_seed(0)
-    model = build_model(small).to(_dtype(cfg, engine)).train()
+    if device == "fake":          # values never read: allocated, not initialised (the 50k x d init took seconds)
+        with torch.device("meta"):
+            model = build_model(small)
+        model = model.to_empty(device="cpu")
+    else:
+        model = build_model(small)
+    model = model.to(_dtype(cfg, engine)).train()
     model.layers, model.layer_types = torch.nn.ModuleList(), []
     mode, params = contextlib.nullcontext(), tuple(model.parameters())
     if device == "fake":          # the real weights enter as fake tensors (allow_non_fake_inputs), one each
