@@ -10,7 +10,7 @@ flash-attn vs SDPA; the largest micro-batch for implicit vs unrolled backward (t
 Per config (one process, one device, micro-batch ``--micro``, no accumulation, ``--steps`` timed
 after ``--warmup``): tokens/s, TFLOP/s and MFU nominal (every looped layer counted once) and
 executed (the iterations taken), peak memory of the timed steps, mean solver iterations per looped
-layer, and the attention and scan kernels that ran (counted at the call, fpscale/models/kernels.py).
+layer, and the attention and scan kernels that ran (counted at the call, fpscale/ops/kernels.py).
 The attention configs run twice, ``FPSCALE_FLASH_ATTN=auto`` (flash-attn where installed) and ``=0``
 (SDPA). A config whose token shards are absent (a machine that reaches PyPI and nothing else has no
 FineWeb) runs on synthetic tokens of the same geometry, and the row says so. Then, per looped
@@ -70,7 +70,7 @@ def sync(device):
 def throughput(path: str, args, flash: str) -> dict:
     import torch
 
-    from fpscale.models import kernels
+    from fpscale.ops import kernels
     from fpscale.train.metrics import reset_peak_memory, summarize_layers
     from fpscale.train.trainer import as_dicts
     os.environ["FPSCALE_FLASH_ATTN"] = flash

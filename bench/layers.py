@@ -38,12 +38,13 @@ import time
 import torch
 from common import print_table, write_json
 
-from fpscale.models import ModelConfig, kernels, layer_spec
-from fpscale.models.common import causal_attention
-from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.hqsa import bin_assignment, causal_hqsa
+from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.hqsa import bin_assignment, causal_hqsa
+from fpscale.layers.looping import LoopedLayer
+from fpscale.models import ModelConfig, layer_spec
 from fpscale.models.lm import LoopedLM
-from fpscale.models.looping import LoopedLayer
+from fpscale.ops import kernels
+from fpscale.ops.attention import causal_attention
 from fpscale.profiling import count_saved_bytes
 from fpscale.solvers import SolverConfig
 

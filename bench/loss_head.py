@@ -1,5 +1,5 @@
 """Memory of the LM loss head: the plain head (logits, then F.cross_entropy) against the chunked
-cross-entropy (fpscale.models.chunked_loss, the default ``model.loss_chunk``), fp32 and bf16 autocast.
+cross-entropy (fpscale.ops.chunked_loss, the default ``model.loss_chunk``), fp32 and bf16 autocast.
 
 Two figures per head, at the 125m shape (8 x 2048 tokens, V = 50304, d = 768, chunk 4096):
   saved  bytes saved for backward by the head, hidden states and weight excluded (they live
@@ -29,7 +29,7 @@ from common import print_table, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fpscale.models.chunked_loss import chunked_cross_entropy
+from fpscale.ops.chunked_loss import chunked_cross_entropy
 from fpscale.profiling import count_saved_bytes
 
 GIB = 2 ** 30

@@ -6,9 +6,9 @@ backward, and the kernel launches per scan call.
     python bench/scan.py                          # on a GPU: pytorch, triton, mamba-ssm where installed
     python bench/scan.py --device cpu --repeats 1 # on CPU only the PyTorch scan runs; the others say why
 
-The scans: ``pytorch`` (fpscale.models.scan.selective_scan, chunked), ``triton``
-(fpscale.models.scan_triton, one kernel forward and one backward), ``mamba-ssm`` (its
-``selective_scan_fn``, called as fpscale.models.scan_kernels calls it). A kernel that needs a GPU
+The scans: ``pytorch`` (fpscale.ops.scan.selective_scan, chunked), ``triton``
+(fpscale.ops.scan_triton, one kernel forward and one backward), ``mamba-ssm`` (its
+``selective_scan_fn``, called as fpscale.ops.scan_kernels calls it). A kernel that needs a GPU
 says so on CPU rather than running (Triton's interpreter would take hours at this size).
 
 Launches are counted, not estimated, in one extra call outside the timing: every ATen op that
@@ -33,8 +33,8 @@ import yaml
 from common import print_table, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpscale.models import scan_kernels, scan_triton
-from fpscale.models.scan import selective_scan
+from fpscale.ops import scan_kernels, scan_triton
+from fpscale.ops.scan import selective_scan
 from fpscale.profiling import count_saved_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

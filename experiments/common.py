@@ -103,7 +103,7 @@ def run_key(cfg) -> str:
     from fpscale.config import config_to_dict
     d = config_to_dict(cfg)
     d.pop("name", None)
-    from fpscale.models.fpmamba import DEFAULTS as FPMAMBA_DEFAULTS
+    from fpscale.layers.fpmamba import DEFAULTS as FPMAMBA_DEFAULTS
     for spec in d["model"]["layers"]:            # only the fields the layer type reads
         fields = LAYER_FIELDS.get(spec["type"])
         if fields is None:                       # a type not listed (epsilon, fpsa_lh, fpmamba2): every field

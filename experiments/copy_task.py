@@ -8,7 +8,7 @@ the character accuracy at 2x the training length (n in [17, 32]) and in distribu
     PYTHONPATH=. python experiments/copy_task.py            # full: ~12 min on 2 cores
     PYTHONPATH=. python experiments/copy_task.py --quick    # seconds: pipeline check
 
-Scale-down (README): lengths [5, 50] -> [4, 16] and test at 2x ([17, 32]); vocabulary 29 -> 28 (26
+Scale-down (experiments/README.md): lengths [5, 50] -> [4, 16] and test at 2x ([17, 32]); vocabulary 29 -> 28 (26
 characters, SEP, PAD); 10,000 steps x 128 at lr 1e-5 -> a few hundred steps x 32 at lr 3e-3 (the same
 for every model).
 """

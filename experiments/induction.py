@@ -21,7 +21,7 @@ it, and ends with the query A, MASK; the model must output B at MASK. Two stages
     PYTHONPATH=. python experiments/induction.py             # both: the sweep at the budget found
     PYTHONPATH=. python experiments/induction.py --quick     # seconds: pipeline check
 
-Scale-down (README): d 256 -> 64, FFN 1024 -> 171 (SwiGLU 8/3), length 32-256 -> 64, K <= 100 -> K <= 24,
+Scale-down (experiments/README.md): d 256 -> 64, FFN 1024 -> 171 (SwiGLU 8/3), length 32-256 -> 64, K <= 100 -> K <= 24,
 FPSA tolerance 1e-4 with 100 iterations -> the shipped 2e-2 with 20 in training and 40 in evaluation (the
 entropy probe iterates 40 times at tolerance 0). The paper states no training budget.
 """
@@ -69,8 +69,8 @@ class EntropyProbe:
     (nats, over heads and batch) of the last query position per call. Same output as SDPA."""
 
     def __init__(self):
-        import fpscale.models.common as common
-        import fpscale.models.fpsa as fpsa
+        import fpscale.layers.common as common
+        import fpscale.layers.fpsa as fpsa
         self.modules, self.orig, self.calls = (common, fpsa), common.causal_attention, []
 
     def __enter__(self):

@@ -15,7 +15,7 @@ The baselines train and evaluate at DEPTH loops, backpropagating through all of 
     PYTHONPATH=. python experiments/length_generalisation.py --group s3  # the same on S3
     PYTHONPATH=. python experiments/length_generalisation.py --quick    # seconds: pipeline check
 
-Scale-down (README): the paper trains FPRM 20 epochs of global batch 1024 at lr 1e-3 (Table 6; the data set
+Scale-down (experiments/README.md): paper trains FPRM 20 epochs of global batch 1024 at lr 1e-3 (Table 6; the data set
 size is not stated) with 2 layers of the TRM width (hidden 512); here each model gets STEPS x BATCH words
 (the full setting: 600 x 32 = 19,200) at d_model 64, lr 3e-3 warm-up 50 then cosine; the evaluation cap 128
 (paper 256), training cap 32 (paper 128). Accuracy at length n: the state after all n elements (the last
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask, group_elements  # noqa: E402
-from fpscale.models.common import rms_norm, self_attention, swiglu  # noqa: E402
-from fpscale.models.looped import LoopedCore  # noqa: E402
+from fpscale.layers.common import rms_norm, self_attention, swiglu  # noqa: E402
+from fpscale.layers.looped import LoopedCore  # noqa: E402
 
 D, TRAIN_LEN, DEPTH = 64, 32, 8
 LENGTHS = [16, 24, 32, 48, 64, 96, 128]

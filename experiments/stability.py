@@ -33,7 +33,7 @@ CONFIG = os.path.join(ROOT, "configs", "tiny_looped.yaml")
 def core_pieces(model, tokens):
     """(core, x, cos, sin, sublayers): the looped core of tiny_looped, its input and its sublayers
     as functions of z (attention and MLP, each with its own pre-norm)."""
-    from fpscale.models.common import rope_span
+    from fpscale.layers.common import rope_span
     core = model.layers[1]
     x = model.layers[0](model.embed(tokens)).float()
     cos, sin = rope_span(core.head_dim, 0, tokens.shape[1], core.rope_theta, x)
@@ -55,7 +55,7 @@ def rms(t: torch.Tensor) -> float:
 @torch.no_grad()
 def norms_at_init(loops: int, seed: int = 0) -> dict:
     import fpscale
-    from fpscale.models.common import rms_norm
+    from fpscale.layers.common import rms_norm
     cfg = fpscale.load_config(CONFIG)
     torch.manual_seed(seed)
     model = fpscale.build_model(cfg).eval()

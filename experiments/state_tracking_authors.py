@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from experiments.common import Timer, eval_aligned, parse_args, plt, save, small_model, table, train_aligned  # noqa: E402
 from experiments.state_tracking import FP_SOLVER, LENGTHS, TRAIN_LEN, D  # noqa: E402
 from fpscale.data.synthetic import SyntheticTask, group_elements  # noqa: E402
-from fpscale.models.fpmamba import AUTHORS_SOLVER  # noqa: E402
+from fpscale.layers.fpmamba import AUTHORS_SOLVER  # noqa: E402
 
 DEEP_CAP = 256
 DEEP_LENGTHS = [16, 32, 64]

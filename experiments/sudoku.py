@@ -19,7 +19,7 @@ augments each puzzle with a random relabelling of the digits and a random transp
     PYTHONPATH=. python experiments/sudoku.py            # full: ~25 min on the shared 2 cores
     PYTHONPATH=. python experiments/sudoku.py --quick    # seconds: pipeline check
 
-Scale-down (README): the paper trains 60,000 epochs of 1,000 puzzles at batch 768 (Table 4: ~78M puzzle
+Scale-down (experiments/README.md): the paper trains 60,000 epochs of 1,000 puzzles at batch 768 (Table 4: ~78M puzzle
 presentations, hidden 512); here STEPS x BATCH (the full setting: 1,500 x 16 = 24,000 presentations, 24 epochs,
 3,250x fewer) at d_model 64; test on 200 fresh puzzles of the same generator.
 """

@@ -11,7 +11,7 @@ longest length whose accuracy (the state after all n elements) is above 90%.
     PYTHONPATH=. python experiments/trainability.py --group a5     # the paper's group (at chance at this budget)
     PYTHONPATH=. python experiments/trainability.py --quick        # seconds: pipeline check
 
-Scale-down (README): the paper trains UTs of 2 layers (TRM width) 30 epochs at global batch 1024, lr 1e-4
+Scale-down (experiments/README.md): the paper trains UTs of 2 layers (TRM width) 30 epochs at global batch 1024, lr 1e-4
 (Table 6) on A5; here d_model 64, STEPS x 32 words (the full setting: 2,000 x 32 = 64,000), lr 3e-3, and S3 by
 default: at this budget no model learns A5 at any length (experiments/README.md, state tracking and A5).
 """

@@ -87,7 +87,7 @@ class Config:
         for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
             if unreachable(getattr(solver, name), torch.bfloat16):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
-                                  f"floor {floor:.3g}, README 'Precision'): raised to {floor:.3g}")
+                                  f"floor {floor:.3g}, docs/solver.md 'Precision'): raised to {floor:.3g}")
                 if name in overrides:
                     overrides[name] = floor
                 else:

@@ -7,7 +7,7 @@ so a timeout (of a step, of the budget, of the whole command) still leaves every
 
 Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
   env         GPU, driver, torch, Triton, DeepSpeed, and the kernels each layer type will use
-  kernels     tests/models/test_kernels_on_device.py and tests/solvers/test_fused.py on the device
+  kernels     tests/ops/test_kernels_on_device.py and tests/solvers/test_fused.py on the device
   ds_zero1 / ds_zero1_torch / ds_zero3 / ds_zero3_torch
               tiny_mixed in bf16 through ``deepspeed --num_gpus 1`` (20 steps on a GPU, 3 on CPU) with
               ZeRO-1 and ZeRO-3, the solver's bookkeeping auto (fused on a GPU) and torch (the _torch
@@ -41,7 +41,7 @@ def environment_code() -> str:
     return r"""
 import json, os, subprocess, torch
 import fpscale
-from fpscale.models.kernel_plan import describe
+from fpscale.ops.kernel_plan import describe
 try:
     import triton; tv = triton.__version__
 except Exception as exc: tv = f"absent ({type(exc).__name__})"
@@ -72,7 +72,7 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     steps = [{"name": "env", "cmd": [py, "-c", environment_code()], "cap": 120, "read": "json"},
              {"name": "kernels", "cap": 240, "read": "pytest",
               "cmd": [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                      "tests/models/test_kernels_on_device.py", "tests/solvers/test_fused.py",
+                      "tests/ops/test_kernels_on_device.py", "tests/solvers/test_fused.py",
                       *([] if gpu else ["-m", "not slow"])]}]
     for zero in (1, 3):
         for book in ("auto", "torch") if gpu else ("auto",):       # on CPU auto is the torch loop already

@@ -2,7 +2,7 @@
 # GPU smoke test: set up, then train tiny_mixed and a 125m recipe for a few steps in bf16 on the
 # GPUs of this machine, one line per run: one process with the kernels fpscale picks (auto) and with
 # flash-attn off (SDPA); with several GPUs, DP over all of them under ZeRO-1 and ZeRO-3, and TP2 x DP.
-# Each line names the kernels that actually ran (counted at the call: fpscale/models/kernels.py).
+# Each line names the kernels that actually ran (counted at the call: fpscale/ops/kernels.py).
 # Synthetic data (no corpus needed); exits non-zero if any run failed.
 #
 #   bash scripts/gpu_smoke.sh                        # sets up a CUDA torch from PyPI when a GPU is present
@@ -53,7 +53,7 @@ run() {
     if FPSCALE_FLASH_ATTN=$flash timeout 900 "${launcher[@]}" launch/pretrain.py "${args[@]}" >"$OUT/$name.log" 2>&1; then
         $PY - "$OUT/$name/metrics.jsonl" "$name" "$flash" $((SECONDS - t0)) <<'EOF'
 import json, sys
-from fpscale.models.kernels import summary
+from fpscale.ops.kernels import summary
 rows = [json.loads(line) for line in open(sys.argv[1])]
 t = [r for r in rows if r["kind"] == "train"][-1]
 v = [r for r in rows if r["kind"] == "val"][-1]

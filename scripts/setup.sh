@@ -112,5 +112,5 @@ if ! gpu=$($PYBIN scripts/torch_check.py driver); then
     exit 1
 fi
 echo "[setup] $gpu"
-quiet env DS_ACCELERATOR=cpu $PYBIN -c "from fpscale.models.kernel_plan import describe; print('[setup]', describe())"
+quiet env DS_ACCELERATOR=cpu $PYBIN -c "from fpscale.ops.kernel_plan import describe; print('[setup]', describe())"
 quiet env DS_ACCELERATOR=cpu $PYBIN -c "import torch, deepspeed, fpscale; print(f'[setup] ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, fpscale {fpscale.__version__}')"

@@ -1,9 +1,10 @@
 """The package layering: a lower package never imports a higher one, and no module imports
-itself back through others. Lowest first (the README's "Layout"):
+itself back through others. Lowest first (the README's "Code layout"):
 
-    base (errors, typed, log, files, profiling) -> solvers -> models -> parallel -> data
-        -> train (and fpscale.config, the run config that assembles every section) -> eval -> hf
-        -> cli (the commands; launch/*.py are their script form)
+    base (errors, typed, log, files, profiling) -> solvers -> ops (kernels beside their references)
+        -> layers (the layer types and what only layers use) -> models (the LM, its config and heads)
+        -> parallel -> data -> train (and fpscale.config, the run config that assembles every section)
+        -> eval -> hf -> cli (the commands; launch/*.py are their script form)
 
 Every import counts, also one inside a function (a lazy import is still a dependency); only
 imports under ``if TYPE_CHECKING:`` (annotations) do not.
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "fpscale"
-ORDER = ["base", "solvers", "models", "parallel", "data", "train", "eval", "hf", "cli"]
+ORDER = ["base", "solvers", "ops", "layers", "models", "parallel", "data", "train", "eval", "hf", "cli"]
 BASE = {"fpscale.errors", "fpscale.typed", "fpscale.log", "fpscale.files", "fpscale.profiling"}
 
 
@@ -90,3 +91,17 @@ def test_the_import_graph_has_no_cycle():
 
     for m in graph:
         visit(m, [])
+
+
+LONG = 400
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_no_file_is_long_without_saying_why(path):
+    """A module over 400 lines says in its docstring why it is one piece ("Over 400 lines: ...")."""
+    lines = path.read_text().count("\n")
+    if lines > LONG:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert f"Over {LONG} lines:" in doc, (
+            f"{path.relative_to(ROOT.parent)} has {lines} lines: split it, or say in its docstring why it is one "
+            f"piece (a line starting 'Over {LONG} lines:')")

@@ -1,7 +1,7 @@
 """Model configuration: a decoder LM assembled from a list of layer specs.
 
-Each entry of ``model.layers`` is the config section of its layer type (fpscale.models.registry);
-the built-in types register here, one line each.
+Each entry of ``model.layers`` is the config section of its layer type (fpscale.layers.registry);
+the built-in types register in fpscale/layers/__init__.py, one line each.
 """
 from __future__ import annotations
 
@@ -9,24 +9,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fpscale.errors import check
-from fpscale.models.attn import AttnSpec
-from fpscale.models.checkpointing import check_mode
-from fpscale.models.epsilon import EpsilonSpec
-from fpscale.models.fpmamba import FPMambaSpec
-from fpscale.models.fpmamba2 import FPMamba2Spec
-from fpscale.models.fpsa import FPSASpec
-from fpscale.models.fpsa_lh import FPSALHSpec
-from fpscale.models.looped import LoopedCoreSpec
-from fpscale.models.registry import LayerSpec, register_layer
+from fpscale.layers import AttnSpec, LayerSpec
+from fpscale.layers.checkpointing import check_mode
 
-# the built-in layer types: a new type is one file (its spec, block, split rules, FLOPs) + one line
-register_layer(AttnSpec)
-register_layer(FPSASpec)
-register_layer(FPMambaSpec)
-register_layer(LoopedCoreSpec)
-register_layer(EpsilonSpec)
-register_layer(FPMamba2Spec)
-register_layer(FPSALHSpec)
 
 @dataclass
 class IterationCap:
@@ -57,12 +42,12 @@ class ModelConfig:
     # reads the table unscaled); Epsilon's authors use sqrt(d_model): its CenterNorm keeps the scale
     tie_embeddings: bool = True
     loss_chunk: int = 4096        # the loss from the hidden states this many tokens at a time, never the
-    # whole logits (fpscale.models.chunked_loss: same value and gradients); 0: logits, then their loss
+    # whole logits (fpscale.ops.chunked_loss: same value and gradients); 0: logits, then their loss
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
     # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
     checkpoint: str = "none"      # none | mlp | block: recompute plain sublayers in backward
-    # (fpscale.models.checkpointing); model.layers.N.checkpoint overrides it per entry
+    # (fpscale.layers.checkpointing); model.layers.N.checkpoint overrides it per entry
     layers: list[LayerSpec] = field(default_factory=lambda: [AttnSpec(repeat=2)])
     iteration_cap: IterationCap = field(default_factory=IterationCap)
 

@@ -13,12 +13,13 @@ import contextlib
 
 import torch
 
+from fpscale.layers.common import RMSNorm
+from fpscale.layers.deep_supervision import check_solver, deep_supervised_loss, supervised
+from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.looping import LoopedLayer
 from fpscale.models.caps import draw_cap
-from fpscale.models.common import LMHead, RMSNorm
 from fpscale.models.config import ModelConfig
-from fpscale.models.deep_supervision import check_solver, deep_supervised_loss, supervised
-from fpscale.models.fixed_point import FixedPointLayer
-from fpscale.models.looping import LoopedLayer
+from fpscale.models.heads import LMHead
 from fpscale.solvers import SolverConfig, SolverStats
 
 
@@ -30,10 +31,10 @@ class LoopedLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
         torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
         layers = []
-        for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.models.registry)
+        for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.layers.registry)
             layer_solver = solver.with_overrides(spec.solver, f"model.layers.{i}.solver") if spec.looped else None
             built = [spec.build(cfg, layer_solver) for _ in range(spec.repeat)]
-            if spec.looped and spec.deep_supervision.window > 0:      # fpscale.models.deep_supervision
+            if spec.looped and spec.deep_supervision.window > 0:      # fpscale.layers.deep_supervision
                 check_solver(layer_solver, f"model.layers.{i}.solver", bool(getattr(spec, "iterate_free", False)))
                 for block in built:
                     next(m for m in block.modules() if isinstance(m, FixedPointLayer)).ds_window = \
@@ -92,7 +93,7 @@ class LoopedLM(torch.nn.Module):
         Every layer type takes it as ``pad`` in its forward."""
         ds = (supervised(self) if targets is not None and self.training and caches is None
                       and torch.is_grad_enabled() else None)
-        if ds is not None:      # deep supervision's windows (fpscale.models.deep_supervision)
+        if ds is not None:      # deep supervision's windows (fpscale.layers.deep_supervision)
             loss, ce, windows_ce, windows = deep_supervised_loss(self, tokens, targets, pad, *ds)
             aux = self.aux_loss()
             self.last_losses = {"ce": ce.detach(), "aux": None if aux is None else aux.detach(),

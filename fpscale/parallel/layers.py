@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fpscale.models.chunked_loss import chunked_cross_entropy
-from fpscale.models.common import LMHead
+from fpscale.models.heads import LMHead
+from fpscale.ops.chunked_loss import chunked_cross_entropy
 from fpscale.parallel.mappings import _all_reduce, copy_to_tp, reduce_from_tp
 
 

@@ -4,7 +4,7 @@
 
 The model code knows nothing of TP: each module that may be split declares how
 (``tp_plan()``: weight name -> ``TPSplit(dim, parts)``) and has a ``shards`` seam
-(``fpscale.models.common.Unsharded``, the identity) where its shards meet. This step keeps this
+(``fpscale.layers.common.Unsharded``, the identity) where its shards meet. This step keeps this
 rank's slice of every weight a plan names, puts ``TensorParallelShards`` (the conjugate
 collectives) into those seams, and swaps in the vocabulary-parallel embedding and output head.
 The divisibility each layer type needs comes from its spec (``tp_divisors``, the registry).

@@ -22,7 +22,7 @@ def check_step_output(fz, z: torch.Tensor) -> None:
 @dataclass
 class Carry:
     """Algorithm 1's per-sample state where one call of ``iterate`` ends and the next goes on with
-    the same solve (deep supervision's windows, fpscale.models.deep_supervision): damping, best
+    the same solve (deep supervision's windows, fpscale.layers.deep_supervision): damping, best
     residual, patience left, frozen tokens and the residuals they keep."""
     eta: torch.Tensor             # [B]
     best: torch.Tensor            # [B]

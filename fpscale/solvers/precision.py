@@ -33,6 +33,12 @@ import warnings
 import torch
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32: where a looped layer keeps its iterate and the elementwise
+    algebra on it; float64 stays float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def map_dtype(like: torch.Tensor) -> torch.dtype:
     """The dtype a map's products run in: autocast's when it is on for the device, else ``like``'s."""
     kind = like.device.type

@@ -9,7 +9,7 @@ A looped layer's forward costs ``static + per_iter * iterations``. Training FLOP
             once     2 x per_iter: a layer whose f does not read its iterate applies f once, the
                      differentiable application (its one iteration), and autograd goes through it
 plus 3 x static for every layer. Attention scores are counted causally (T/2 keys on average).
-A layer with deep supervision (fpscale.models.deep_supervision) adds, per supervised window of K
+A layer with deep supervision (fpscale.layers.deep_supervision) adds, per supervised window of K
 iterations, the window recomputed and differentiated (3 x per_iter x K) and the rest of the model
 after it and the head, run in the forward, recomputed and differentiated (4 x their forward).
 The per-layer formulas live with their layer types (``flops`` of each spec in fpscale/models/).
@@ -21,7 +21,7 @@ from fpscale.models.config import ModelConfig
 
 def layer_flops(cfg: ModelConfig, seq_len: int) -> list[tuple[float, float]]:
     """(static, per_iteration) forward FLOPs per token for every expanded layer (each layer type
-    declares its own: ``LayerSpec.flops``, fpscale.models.registry)."""
+    declares its own: ``LayerSpec.flops``, fpscale.layers.registry)."""
     return [spec.flops(cfg, seq_len) for spec in cfg.expanded_layers()]
 
 

@@ -86,7 +86,7 @@ class LayerFit:
 
 
 def _build_block(cfg, spec, engine: str = "deepspeed"):
-    from fpscale.models.registry import LayerSpec  # noqa: F401  (the registry is loaded by config)
+    from fpscale.layers.registry import LayerSpec  # noqa: F401  (the registry is loaded by config)
     solver = cfg.solver.with_overrides(spec.solver, "model.layers") if spec.looped else None
     torch.manual_seed(cfg.seed)
     block = spec.build(cfg.model, solver).to(_dtype(cfg, engine))
@@ -94,7 +94,7 @@ def _build_block(cfg, spec, engine: str = "deepspeed"):
 
 
 def _loops(block):
-    from fpscale.models.fixed_point import FixedPointLayer
+    from fpscale.layers.fixed_point import FixedPointLayer
     return [m for m in block.modules() if isinstance(m, FixedPointLayer)]
 
 
@@ -166,7 +166,7 @@ def calibrate_head(cfg, vocab: int, device: str = "fake", engine: str = "deepspe
     ``fake`` (the default): under torch's FakeTensorMode, CPU tensors that hold no data (real shapes,
     dtypes and autocast, nothing computed: the head at a 50k vocabulary took minutes of one CPU
     thread in bf16); ``cpu`` computes it (tests/train/test_memory_plan.py: both give the same fit)."""
-    from fpscale.models.registry import layer_spec
+    from fpscale.layers.registry import layer_spec
     chunk = int(getattr(cfg.model, "loss_chunk", 0) or 0)
     points = [chunk // 2, chunk, 2 * chunk] if chunk else [512, 1024, 2048]
     small = copy.deepcopy(cfg)

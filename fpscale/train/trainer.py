@@ -18,7 +18,8 @@ from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
 from fpscale.errors import check
 from fpscale.log import get_logger
-from fpscale.models import build_model, kernels
+from fpscale.models import build_model
+from fpscale.ops import kernels
 from fpscale.parallel import agree
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
@@ -125,7 +126,7 @@ def validation_lines(record: dict) -> list[str]:
 def check_deep_supervision(cfg: Config, dp_size: int) -> None:
     """Under ZeRO-3 with several data-parallel ranks, a layer with deep supervision gathers the rest of
     the model's parameters once per window over the DP group: every rank must take the same windows,
-    so the stop is agreed over DP (``solver.agree: dp``; fpscale.models.deep_supervision)."""
+    so the stop is agreed over DP (``solver.agree: dp``; fpscale.layers.deep_supervision)."""
     if dp_size < 2 or cfg.parallel.zero_stage != 3:
         return
     for i, spec in enumerate(cfg.model.layers):

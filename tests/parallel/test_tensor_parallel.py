@@ -46,10 +46,10 @@ def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
 
 @pytest.mark.multiprocess
 def test_a_layer_type_added_by_registration_alone_trains_under_tp2(tmp_path):
-    """tests/models/damped_mlp.py registers a looped type fpscale has never heard of; between two
+    """tests/layers/damped_mlp.py registers a looped type fpscale has never heard of; between two
     attn layers it trains 5 steps split over TP 2 as on one process (its MLP splits by the plan
     the MLP declares, its solver agrees over the shards), iteration counts included."""
-    args = ["plugin=tests.models.damped_mlp", "config=tiny_attn.yaml",
+    args = ["plugin=tests.layers.damped_mlp", "config=tiny_attn.yaml",
             "model.layers=[{type: attn}, {type: damped_mlp, scale: 0.6, solver: {max_iter: 12, tol: 1e-4}}, "
             "{type: attn}]"]
     (tmp_path / "one").mkdir()

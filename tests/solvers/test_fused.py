@@ -6,7 +6,7 @@ schedules (eager, every N, none), a bf16 map, on every tiny config (forward, adj
 and split over TP 2 (consensus and the state split of FP-Mamba); the kernels per iteration and the
 host reads.
 
-As in tests/models/test_scan_triton.py, the interpreter is chosen when the kernels are defined, so the
+As in tests/ops/test_scan_triton.py, the interpreter is chosen when the kernels are defined, so the
 kernel tests (``test_kernel_*``) run in a child pytest process with ``TRITON_INTERPRET=1``, started by
 ``test_the_fused_bookkeeping_under_the_interpreter``; the parent runs the tests that need no kernel.
 

@@ -241,14 +241,15 @@ def _resume_check_rank(rank: int, world: int, port: int, run_dir: str, out: str)
 
     from fpscale.parallel.state import ParallelState
     from fpscale.train import checkpoint
+    from fpscale.train.checkpoint import format as checkpoint_format
     from fpscale.train.resume import choose_checkpoint
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    hashed, real = [], checkpoint.sha256_file
+    hashed, real = [], checkpoint_format.sha256_file
 
     def counting(path):
         hashed.append(os.path.getsize(path))
         return real(path)
-    checkpoint.sha256_file = counting
+    checkpoint_format.sha256_file = counting      # the manifest's hashing (fpscale.train.checkpoint.format)
     state = ParallelState(rank=rank, world_size=world, dp_rank=rank, dp_size=world)
     chosen = choose_checkpoint("auto", run_dir, state)
     auto_bytes = sum(hashed)

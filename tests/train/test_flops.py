@@ -23,9 +23,9 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     read C^T h is a batched product, which the counter sees)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fpscale.models.common import attention_score_flops
-    from fpscale.models.fpmamba import scan_flops, scan_read_flops
-    from tests.models import damped_mlp  # noqa: F401  (registers the type)
+    from fpscale.layers.common import attention_score_flops
+    from fpscale.layers.fpmamba import scan_flops, scan_read_flops
+    from tests.layers import damped_mlp  # noqa: F401  (registers the type)
     from tests.models.helpers import tiny_config
 
     B, T, d, k = 2, 32, 64, 3
@@ -96,7 +96,7 @@ def test_epsilon_flops_match_torch_flop_counter(attention):
     for attn (a fused kernel the counter does not see), HQSA's products are all counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fpscale.models.common import attention_score_flops
+    from fpscale.layers.common import attention_score_flops
     from tests.models.helpers import tiny_config
 
     B, T, d, k = 2, 32, 64, 3

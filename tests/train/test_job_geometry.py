@@ -1,4 +1,4 @@
-"""The README's SLURM example at its own geometry, simulated on CPU: 2 nodes x 8 GPUs = 16
+"""The SLURM example of the README and docs/training.md at its own geometry, simulated on CPU: 2 nodes x 8 GPUs = 16
 data-parallel processes (gloo) running launch/pretrain.py on configs/125m_fpsa.yaml's batch settings
 (256 sequences a step, micro-batch at most 8, eval_batches 20, ZeRO-1) with a tiny model: they
 start, train 2 steps, validate and save, within a timeout."""

@@ -55,7 +55,7 @@ def test_epsilon_learns_and_reports_its_depth(tmp_path):
     """With ordinary causal attention in the block (HQSA's content bins blur the positions this
     copy-with-lag task needs). The bar is lower than the other types' (0.5 x uniform): on this
     task a block applied more than once learns slower in 100 steps (one step 1.40, halting at
-    2-3 steps 2.2-2.3; README, Epsilon), a finding, not a defect found so far."""
+    2-3 steps 2.2-2.3; docs/layers.md, Epsilon), a finding, not a defect found so far."""
     history = epsilon_run(tmp_path, 100, attention="causal")
     final_val = [r for r in history if r["kind"] == "val"][-1]
     assert final_val["val_loss"] < 0.9 * math.log(16), final_val

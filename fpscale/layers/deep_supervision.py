@@ -1,0 +1,204 @@
+"""Deep supervision with truncated-backprop windows (seed 004: Algorithm 2, App. D "Deep supervision").
+
+``model.layers.N.deep_supervision.window: K`` on a fixed-point layer. A training forward with targets
+then runs that layer's solve in windows of K iterations (Algorithm 1's damped step with patience, its
+state carried from window to window):
+
+    z <- z0 (the layer's start, 0 for the looped core);  losses <- []
+    while the solver goes on:
+        run K iterations of the solver from z                              (Algorithm 2, lines 3-6)
+        if the solver stopped inside the window (or at its last iteration): leave the loop
+        L_w <- CE(head(coda(z)), y): the rest of the model after the layer (its coda), the final
+               norm and the head, as a full forward would; its gradient is taken through the
+               window's K iterations only (truncated BPTT), into the layer's input too     (7-9)
+        z <- detach(z)                                                                      (10)
+    final window at the solver's stop z*: the configured backward mode (phantom: k steps from the
+    detached z*, jfb, implicit), the coda and the head: L_final (App. D: "after the outer solver
+    converges, a final iteration is performed with gradients enabled and its output is supervised")
+    loss = L_final + sum_w L_w
+
+How the losses combine: summed. Algorithm 2 calls MODELOPT.BACKWARD(L) once per window and steps the
+optimizer once per batch, so the gradients of the windows add up; fpscale returns the sum, whose one
+backward gives that total. The cross-entropy a run reports (``last_losses["ce"]``) is L_final's (what
+evaluation measures); ``last_losses["deep_supervision"]`` is sum_w L_w, ``["windows"]`` their count.
+
+Deviations from the paper (say where a run differs):
+  - a window the solver stops in is not supervised on its own: the final window follows at once (App. D
+    counts ceil(n / K) + 1 backward passes for n iterations; fpscale takes floor((n - 1) / K) + 1:
+    the supervised windows are those the solver went on after). So a window spanning the whole solve
+    gives the training step without deep supervision, loss and gradients (tests/layers/
+    test_deep_supervision.py).
+  - the windows' backward runs when the trainer calls it (one ``backward`` of the summed loss), not
+    inside the forward: each supervised window is recomputed in that backward from its start state
+    (``fpscale.layers.checkpointing.recompute``: its K iterations, the coda and the head run a second
+    time), so the memory is one window's activations, as the paper's per-window backward, and the
+    gradient is the paper's sum. What the trainer does (DeepSpeed's engine, ZeRO's hooks) is unchanged.
+  - the solver reads its stop decision every iteration in the windows (``solver.check_every`` is not
+    applied) and runs its PyTorch bookkeeping (not the fused kernels): the windows go on from the
+    carried state, which only the PyTorch loop takes.
+
+Under tensor parallelism the windows follow the agreed stop (the consensus of every iteration), so
+every rank of a TP group takes the same windows. Data-parallel ranks run their own solves; with ZeRO-3
+the coda's parameters are gathered once per window over the DP group, so there the window count must be
+agreed over DP too (``solver.agree: dp``: the Trainer says so where it is missing).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from fpscale.errors import check
+from fpscale.layers.checkpointing import recompute
+from fpscale.solvers.backward import attach_implicit, phantom
+from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.iterate import Carry, IterateResult, iterate, state_dtype
+from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
+from fpscale.solvers.stats import SolverStats
+
+
+def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> None:
+    """What a supervised layer's solver must be (errors name ``key``, the layer's solver section)."""
+    check(solver.backward != "unroll", f"{key}.backward",
+          "deep_supervision supervises its final window with the backward at the fixed point: phantom, jfb or "
+          "implicit, got unroll (windows of the whole solve are deep_supervision.window >= solver.max_iter)")
+    check(solver.anderson == 0, f"{key}.anderson",
+          f"deep_supervision carries Algorithm 1's damped step from window to window; Anderson mixing "
+          f"(anderson = {solver.anderson}) has no such state: set anderson 0")
+    check(not iterate_free, f"{key}", "deep_supervision needs a layer whose map reads its iterate "
+          "(this layer's solve is one application: iterate_free)")
+
+
+def fresh_carry(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
+    """Algorithm 1's state at the start of a solve (what ``iterate`` starts from)."""
+    dtype, dev, B = state_dtype(z0.dtype), z0.device, z0.shape[0]
+    return Carry(eta=torch.full((B,), cfg.damping, dtype=dtype, device=dev),
+                 best=torch.full((B,), float("inf"), dtype=dtype, device=dev),
+                 patience_left=torch.full((B,), cfg.patience, dtype=torch.long, device=dev),
+                 frozen=torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev),
+                 token_res=torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev))
+
+
+def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:
+    """The tolerances the dtype the map computes in can reach (as ``fpscale.solvers.solve`` does)."""
+    dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
+    implicit = cfg.backward == "implicit"
+    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+
+
+class Window:
+    """One window of a supervised solve: from ``start`` (None: the layer's own z0) and ``carry``,
+    at most ``cap`` iterations. The first run records what the solver did (``result``); a run after
+    it (the recomputation in backward) replays exactly those iterations."""
+
+    def __init__(self, start: torch.Tensor | None, carry: Carry | None, cap: int):
+        self.start, self.carry, self.cap = start, carry, cap
+        self.result: IterateResult | None = None
+
+
+class Final:
+    """The final window at the solver's stop: the backward mode at ``z`` (detached) with ``stats``."""
+
+    def __init__(self, z: torch.Tensor, stats: SolverStats):
+        self.z, self.stats = z, stats
+
+
+def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, real: torch.Tensor | None,
+             plan) -> torch.Tensor:
+    """What ``FixedPointLayer.fixed_point`` computes while the model drives it window by window."""
+    cfg = resolved(layer.solver, z0)
+    reduce = layer.shards.state_reduce if layer.state_sharded else None
+    agree = layer.dp_agree if cfg.agree == "dp" else None
+    if isinstance(plan, Final):
+        if cfg.backward == "implicit":
+            return attach_implicit(f, plan.z, cfg, plan.stats, layer.shards.consensus, reduce, agree)
+        return phantom(f, plan.z, 1 if cfg.backward == "jfb" else cfg.phantom_steps)
+    start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))
+    carry = plan.carry if plan.carry is not None else fresh_carry(z0, cfg)
+    replay = plan.result is not None
+    result = iterate(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
+                     state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
+                     agree=agree, carry=carry)
+    if replay:
+        if result.iterations != plan.result.iterations:
+            raise RuntimeError(f"deep supervision: the recomputed window took {result.iterations} iterations, the "
+                               f"forward {plan.result.iterations}: the layer's map is not deterministic")
+    else:
+        plan.result = result
+    return result.z
+
+
+def supervised(model) -> tuple[int, torch.nn.Module] | None:
+    """(index in ``model.layers``, its fixed-point layer) of the entry with deep supervision on, or None."""
+    for i, block in enumerate(model.layers):
+        for m in block.modules():
+            if getattr(m, "ds_window", 0) > 0:
+                return i, m
+    return None
+
+
+def _with_plan(layer, plan, call):
+    layer.window_plan = plan
+    try:
+        return call()
+    finally:
+        layer.window_plan = None
+
+
+def deep_supervised_loss(model, tokens: torch.Tensor, targets: torch.Tensor, pad: torch.Tensor | None,
+                         index: int, fp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(loss to minimise, final cross-entropy, sum of the windows' cross-entropies, windows): the
+    training forward of ``model`` with its entry ``index`` supervised in windows (module docstring);
+    ``fp`` is that entry's fixed-point layer (the entry itself, or inside its block)."""
+    layer = model.layers[index]
+    K = fp.ds_window
+    h = model.hidden(tokens, pad=pad, stop=index)                     # the prelude, once
+    rest = model.layers[index + 1:]
+    kwargs = {} if pad is None else {"pad": pad}
+
+    def decode(s: torch.Tensor) -> torch.Tensor:                     # coda, norm, head, loss
+        return model.head_loss(model.hidden_from(s, index + 1, pad=pad), targets)
+
+    cap = fp.cap or fp.solver.max_iter
+    z, carry, done, windows = None, None, 0, []
+    looped = list(model.looped_layers().values())
+    while True:
+        plan = Window(z, carry, min(K, cap - done))
+        if done + K >= cap:          # the cap ends this window: it is the last, never supervised alone
+            with torch.no_grad():
+                _with_plan(fp, plan, lambda: layer(h, 0, None, **kwargs))
+            result = plan.result
+        else:
+            def window(h_in, start, plan=plan):
+                replay = plan.result is not None
+                kept = [m.last_stats for m in looped] if replay else None
+                plan.start = start
+                s = _with_plan(fp, plan, lambda: layer(h_in, 0, None, **kwargs))
+                stop = plan.result.stopped_by != "max_iter"
+                loss = s.new_zeros((), dtype=torch.float32) if stop and not replay else decode(s)
+                if kept is not None:       # the recomputation in backward leaves the forward's statistics
+                    for m, st in zip(looped, kept):
+                        m.last_stats = st
+                return loss
+
+            if z is None:          # window 1 starts at the layer's z0
+                loss = recompute(lambda h_in, window=window: window(h_in, None), (layer, *rest), h)
+            else:
+                loss = recompute(window, (layer, *rest), h, z)
+            result = plan.result
+            if result.stopped_by == "max_iter":
+                windows.append(loss)
+        done += result.iterations
+        z, carry = result.z.detach(), result.carry
+        if result.stopped_by != "max_iter" or done >= cap:
+            break
+    stats = SolverStats(iterations=done, max_iter=cap, stopped_by=result.stopped_by,
+                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
+                        final_eta=result.eta, tol=resolved(fp.solver, z).tol, windows=len(windows), window=K)
+    s = _with_plan(fp, Final(z, stats), lambda: layer(h, 0, None, **kwargs))
+    fp.last_stats = stats
+    ce = decode(s)
+    extra = sum(windows[1:], windows[0]) if windows else ce.new_zeros(())
+    return ce + extra, ce, extra.detach(), len(windows)
