@@ -26,7 +26,7 @@ def environment() -> dict:
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

@@ -110,7 +110,9 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key."""
     if not isinstance(data, dict):
         raise TypeError("config data must be a mapping")
-    asked = "zero_stage" in (data.get("parallel") or {})       # set by the YAML itself, or ...
+    section = data.get("parallel") or {}
+    # ZeRO asked for by the YAML (one that names no engine: a run's own config.yaml names it) or ...
+    asked = "zero_stage" in section and "engine" not in section
     data = _merge(to_dict(Config()), data)
     for override in overrides:
         apply_override(data, override)

@@ -15,9 +15,9 @@ class ParallelConfig:
     engine      who trains: ``deepspeed`` (deepspeed.initialize, ZeRO stage ``zero_stage``, at any world
                 size, one process too), ``torch`` (torch's AdamW in one process) or ``auto``: DeepSpeed
                 where several processes run, where the ``deepspeed`` launcher started the job (one GPU
-                then runs the cluster job's optimizer path) or where ``zero_stage`` was set in the
-                config or an override; torch in a plain one-process run (fpscale.parallel.state.
-                resolve_engine). The run's config.yaml records the engine that ran.
+                then runs the cluster job's optimizer path) or where ``zero_stage`` was set by an
+                override or by a YAML that names no engine; torch in a plain one-process run
+                (fpscale.parallel.state.resolve_engine). The run's config.yaml records the engine that ran.
     zero_stage  DeepSpeed ZeRO stage (0-3) used when DeepSpeed trains
     timeout_s   bound on every collective: a rank that died makes the others fail with a message
     save_timeout_s  bound on the waits of a checkpoint save or resume check (its own gloo group);

@@ -47,6 +47,9 @@ def test_zero_asked_for_means_deepspeed_and_the_key_is_validated():
     assert fpscale.load_config(None, ["parallel.zero_stage=3"]).parallel.engine == "deepspeed"
     assert fpscale.load_config(None, ["parallel.zero_stage=0"]).parallel.engine == "auto"
     assert fpscale.load_config(None, ["parallel.zero_stage=1", "parallel.engine=torch"]).parallel.engine == "torch"
+    # a YAML with zero_stage asks for ZeRO; one that names the engine too (a run's config.yaml) keeps it
+    assert fpscale.config.config_from_dict({"parallel": {"zero_stage": 3}}).parallel.engine == "deepspeed"
+    assert fpscale.config.config_from_dict({"parallel": {"zero_stage": 3, "engine": "auto"}}).parallel.engine == "auto"
     with pytest.raises(ConfigError, match="parallel.engine"):
         fpscale.load_config(None, ["parallel.engine=ddp"])
 
