@@ -70,6 +70,11 @@ def test_wheelhouse_then_offline_setup_over_an_installed_torch_trains(tmp_path):
     torch_before = subprocess.run([node_py, "-c", "import torch; print(torch.__version__, torch.__file__)"],
                                   capture_output=True, text=True, check=True, timeout=120).stdout
     assert str(tmp_path / "node-site") in torch_before
+    # the checkout's scripts run before any install: they put the checkout on sys.path themselves
+    assert subprocess.run([node_py, "-c", "import fpscale"], capture_output=True, timeout=120).returncode != 0
+    for script in ("launch/plan.py", "bench/plan.py"):
+        proc = subprocess.run([node_py, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
     setup = run(["bash", "scripts/setup.sh", "--offline", str(wheels)], timeout=400,
                 env={"PYTHON": node_py, "PIP_NO_INDEX": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
     assert "[setup] ready: torch" in setup.stdout and "[setup] kernels on cpu" in setup.stdout, setup.stdout
