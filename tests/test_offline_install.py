@@ -71,7 +71,8 @@ def test_wheelhouse_then_offline_setup_over_an_installed_torch_trains(tmp_path):
                                   capture_output=True, text=True, check=True, timeout=120).stdout
     assert str(tmp_path / "node-site") in torch_before
     # the checkout's scripts run before any install: they put the checkout on sys.path themselves
-    assert subprocess.run([node_py, "-c", "import fpscale"], capture_output=True, timeout=120).returncode != 0
+    assert subprocess.run([node_py, "-c", "import fpscale"], capture_output=True, timeout=120,
+                          cwd=tmp_path).returncode != 0
     for script in ("launch/plan.py", "bench/plan.py"):
         proc = subprocess.run([node_py, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script, proc.stderr[-2000:])
