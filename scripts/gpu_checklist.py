@@ -7,7 +7,10 @@ so a timeout (of a step, of the budget, of the whole command) still leaves every
 
 Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
   env         GPU, driver, torch, Triton, DeepSpeed, and the kernels each layer type will use
-  kernels     tests/ops/test_kernels_on_device.py and tests/solvers/test_fused.py on the device
+  kernels     tests/ops/test_kernels_on_device.py (the Triton scan, mamba-ssm and flash-attn against
+              the PyTorch paths on the device) and tests/solvers/test_fused.py's quick tests (its kernel
+              tests run under Triton's interpreter, a CPU check: the fused bookkeeping meets the GPU in
+              the ds_* steps below, against the torch loop)
   ds_zero1 / ds_zero1_torch / ds_zero3 / ds_zero3_torch
               tiny_mixed in bf16 through ``deepspeed --num_gpus 1`` (20 steps on a GPU, 3 on CPU) with
               ZeRO-1 and ZeRO-3, the solver's bookkeeping auto (fused on a GPU) and torch (the _torch
@@ -72,8 +75,7 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     steps = [{"name": "env", "cmd": [py, "-c", environment_code()], "cap": 120, "read": "json"},
              {"name": "kernels", "cap": 240, "read": "pytest",
               "cmd": [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                      "tests/ops/test_kernels_on_device.py", "tests/solvers/test_fused.py",
-                      *([] if gpu else ["-m", "not slow"])]}]
+                      "tests/ops/test_kernels_on_device.py", "tests/solvers/test_fused.py", "-m", "not slow"]}]
     for zero in (1, 3):
         for book in ("auto", "torch") if gpu else ("auto",):       # on CPU auto is the torch loop already
             name = f"ds_zero{zero}" + ("_torch" if book == "torch" else "")
