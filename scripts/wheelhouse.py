@@ -33,13 +33,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def read_have(path: str | None) -> dict[str, str]:
-    """{canonical name: version} of a ``pip freeze`` (``name==version`` lines; others ignored)."""
+def read_have(path: str | None) -> dict[str, str | None]:
+    """{canonical name: version, or None for a bare name} of a ``pip freeze`` (``name==version``
+    lines) or a plain list of names (a package known to be there, its version not)."""
     if not path:
         return {}
-    have = {}
+    have: dict[str, str | None] = {}
     for line in open(path):
-        m = re.match(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([^\s;#]+)", line)
+        m = re.match(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([^\s;#]+))?\s*(?:#.*)?$", line)
         if m:
             have[canonical(m.group(1))] = m.group(2)
     return have
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--python", default=f"{sys.version_info.major}.{sys.version_info.minor}",
                     help="the target's Python (default: this one's)")
     ap.add_argument("--platform", default="manylinux_2_28_x86_64", help="the target's platform tag")
-    ap.add_argument("--have", help="pip freeze of the target environment: nothing it lists is collected")
+    ap.add_argument("--have", help="pip freeze of the target environment (or a list of names, versions unknown): "
+                                   "nothing it lists is collected")
     ap.add_argument("--extras", default="", help="fpscale extras to include, comma-separated (e.g. hf)")
     ap.add_argument("--out", required=True, help="the wheelhouse folder (created)")
     args = ap.parse_args(argv)
@@ -121,8 +123,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stubs = os.path.join(tmp, "stubs")
         os.makedirs(stubs)
-        targets = {n: v for n, v in have.items() if n not in ("fpscale", "pip", "setuptools", "wheel")}
-        targets.setdefault("torch", "2.99")       # no --have: the target's torch, of any version
+        # stubs for what has a version; a bare name is resolved from the index but never collected;
+        # torch is always a stub (no --have, or a bare name: the target's torch, of any version)
+        targets = {n: v for n, v in have.items() if v and n not in ("fpscale", "pip", "setuptools", "wheel")}
+        targets.setdefault("torch", "2.99")
         constraints = os.path.join(tmp, "constraints.txt")
         with open(constraints, "w") as fh:
             for name, version in sorted(targets.items()):
@@ -137,11 +141,11 @@ def main(argv=None) -> int:
         report = json.load(open(report_path))
     planned = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
     local = {"fpscale", *(() if "deepspeed" in have else ("deepspeed",))}
-    fetch = sorted(n for n, v in planned.items() if not v.endswith("+" + STUB) and n not in local)
+    fetch = sorted(n for n, v in planned.items() if not v.endswith("+" + STUB) and n not in local and n not in have)
     if fetch:
         run(py + ["download", "-q", "--no-deps", "-d", out, *target_options(args.python, args.platform),
                   *(f"{n}=={planned[n]}" for n in fetch)])
-    left = sorted(n for n, v in planned.items() if v.endswith("+" + STUB))
+    left = sorted(n for n, v in planned.items() if v.endswith("+" + STUB) or (n in have and n not in local))
     manifest = {"python": args.python, "platform": args.platform, "have": args.have, "extras": args.extras,
                 "fpscale_wheel": fpscale_wheel, "collected": sorted([*fetch, *(n for n in local if n in planned)]),
                 "left_to_target": left,
