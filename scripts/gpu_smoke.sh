@@ -50,7 +50,10 @@ run() {
     local launcher=("$PY")
     [ "$nproc" -gt 1 ] && launcher=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
     local t0=$SECONDS
-    if FPSCALE_FLASH_ATTN=$flash timeout 900 "${launcher[@]}" launch/pretrain.py "${args[@]}" >"$OUT/$name.log" 2>&1; then
+    # --foreground: timeout stays in this script's process group, so that whoever kills the group
+    # (a test that timed out) kills the run too (plain timeout makes a group of its own)
+    if FPSCALE_FLASH_ATTN=$flash timeout --foreground 900 "${launcher[@]}" launch/pretrain.py "${args[@]}" \
+            >"$OUT/$name.log" 2>&1; then
         $PY - "$OUT/$name/metrics.jsonl" "$name" "$flash" $((SECONDS - t0)) <<'EOF'
 import json, sys
 from fpscale.ops.kernels import summary

@@ -2,7 +2,8 @@
 matrix, two CPU processes standing in for two GPUs, one line per run; bench/gpu.py prints its
 tables and writes JSON as it goes; scripts/gpu_checklist.sh runs its steps at CPU sizes within its
 budget, recording each. What can fail is kept (the recipe's geometry: d_model, heads, vocabulary,
-sequence; bf16; every layout); what only costs CPU time is cut (the copies of each block: ``repeat``).
+sequence; bf16; every layout); what only costs CPU time is cut (the copies of each block, ``repeat``,
+and most of the vocabulary: ONE_EACH).
 Every command runs in its own process group, killed whole with its test (tests/parallel/launch.run)."""
 import json
 import os
@@ -13,8 +14,11 @@ import pytest
 
 from tests.parallel.launch import ROOT, run
 
-# the 125m_fpsa recipe with one copy of each of its three blocks (attn x6, fpsa x2, attn x6)
-ONE_EACH = ["model.layers.0.repeat=1", "model.layers.1.repeat=1", "model.layers.2.repeat=1"]
+# the 125m_fpsa recipe with one copy of each of its three blocks (attn x6, fpsa x2, attn x6), and a
+# vocabulary of 1152 = 128 x 9 for its 50304 = 128 x 393: the same divisibility (by tp, by 64), 2% of
+# the embedding and output layer, which held 77M of its 98M parameters with one block each and made
+# a CPU step minutes long (bf16 autocast, AdamW over all of them)
+ONE_EACH = ["model.layers.0.repeat=1", "model.layers.1.repeat=1", "model.layers.2.repeat=1", "model.vocab_size=1152"]
 
 
 @pytest.mark.slow
@@ -38,14 +42,14 @@ def test_gpu_smoke_matrix_runs_on_cpu(tmp_path):
     assert "scan:" in ran[0], proc.stdout                    # tiny_mixed's fpmamba layer: the scan that ran
     config = (tmp_path / "125m_fpsa-dp2-zero1" / "config.yaml").read_text()
     assert "seq_len: 128" in config and "precision: bf16" in config and "d_model: 768" in config
-    assert "vocab_size: 50304" in config and "n_heads: 12" in config
+    assert "vocab_size: 1152" in config and "n_heads: 12" in config
 
 
 @pytest.mark.slow
 def test_gpu_bench_runs_its_gpu_command_on_cpu(tmp_path):
     """``bench/gpu.py --configs configs/125m_fpsa.yaml`` as on a GPU: no FineWeb shards here, so synthetic tokens
-    of the recipe's geometry (seq 2048, vocab 50304, d 768, bf16), and it says so; the kernels that ran are
-    counted; fpscale-plan's figure for the same set-up sits beside the measured peak."""
+    of the recipe's geometry (seq 2048, d 768, 12 heads, bf16; ONE_EACH's vocabulary), and it says so; the
+    kernels that ran are counted; fpscale-plan's figure for the same set-up sits beside the measured peak."""
     out = tmp_path / "gpu.json"
     proc = run([sys.executable, "bench/gpu.py", "--configs", "configs/125m_fpsa.yaml", "--plan", "--out", str(out),
                 "--override", *ONE_EACH], timeout=600)
