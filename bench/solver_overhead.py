@@ -86,7 +86,7 @@ def reads_row(kind: str, mode: str, schedule: str, args) -> dict:
 def counting_iterate(ops):
     """Count the aten ops inside f separately from the rest of each ``iterate`` call."""
     inner = {"f": 0, "iters": 0}
-    real = solve_module.iterate
+    real = solve_module.run_loop
 
     def counted(step, *a, **kw):
         def f(z):
@@ -102,11 +102,11 @@ def counting_iterate(ops):
         inner["iters"] += result.iterations
         return result
 
-    solve_module.iterate = counted
+    solve_module.run_loop = counted
     try:
         yield inner
     finally:
-        solve_module.iterate = real
+        solve_module.run_loop = real
 
 
 def ops_in_solve(kind: str, schedule: str, cap: int, args, bookkeeping: str) -> dict:

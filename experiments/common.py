@@ -92,7 +92,8 @@ LAYER_FIELDS = {"all": ["type", "repeat", "solver"], "attn": [], "fpsa": ["spect
                 "looped": ["core_blocks", "a1_init", "a2_init", "conv"],
                 "fpmamba2": None}    # None: every field (a type added after the runs kept so far)
 # keys added after runs were kept: left out of the key at their default (kept runs stay reusable)
-NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token"}
+NEW_KEY_DEFAULTS = {("fpsa", "halting"): "token", ("attn", "mlp"): "swiglu", ("attn", "qk_norm"): False,
+                    ("attn", "init"): "fpscale", ("attn", "value_embed"): False}
 
 
 def run_key(cfg) -> str:
@@ -122,6 +123,14 @@ def run_key(cfg) -> str:
             spec.pop(k)
     for k in ("out_dir", "resume", "eval_depths"):
         d["train"].pop(k, None)
+    from fpscale.train.optim_config import MuonConfig
+    from fpscale.typed import to_dict
+    # train keys added after runs were kept (issue 37): left out at their defaults
+    for k, default in (("optimizer", "adamw"), ("schedule", "cosine"), ("decay_fraction", 0.2),
+                       ("decay_shape", "linear"), ("lr_scale", {}), ("group_weight_decay", {}), ("group_betas", {}),
+                       ("group_override", {}), ("muon", to_dict(MuonConfig()))):
+        if d["train"].get(k) == default:
+            d["train"].pop(k)
     d["data"].pop("path", None)
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

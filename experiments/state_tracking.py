@@ -12,8 +12,9 @@ falls once the training cap (max_iter 2, 4, 8, 16) is below the training length.
     PYTHONPATH=. python experiments/state_tracking.py          # full (S3, A5): 6.5 min idle (--threads 2)
     PYTHONPATH=. python experiments/state_tracking.py --quick     # seconds: pipeline check
 
-Scale-down (experiments/README.md): the paper trains 1.25M steps at batch 512 (640M sequences) with lr 1e-4; here
-each model gets 400 steps x 32 sequences (12,800, 50,000x fewer) at lr 3e-3, the same for every model;
+Scale-down (experiments/README.md): the paper trains 5 epochs x 25,428 steps at batch 512 (127,140 steps, 65.1M
+sequences; App. E.2, whose "around 1.25M" iterations is 10x its own count) with lr 1e-4; here each model
+gets 400 steps x 32 sequences (12,800, about 5,100x fewer) at lr 3e-3, the same for every model;
 d_state 8. The full setting runs S3 and A5 (--groups s3,a4,a5 adds A4) and the cap sweep on S3.
 Accuracy at length n is the accuracy of the state after all n elements (the last position) on
 fresh words of length n.

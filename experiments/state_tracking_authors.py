@@ -38,8 +38,9 @@ def models(mixer: str) -> dict[str, tuple[list[dict], dict]]:
     tag = "Householder r4" if mixer == "householder" else "Kronecker"
     return {
         f"FP-Mamba {tag}, fpscale default": ([{"type": "fpmamba", "negative_eigs": True, **mix}], FP_SOLVER),
-        f"FP-Mamba {tag}, authors_state_tracking": ([{"type": "fpmamba", "preset": "authors_state_tracking", **mix}],
-                                                    FP_SOLVER),
+        # init named (the preset's default since issue 36): runs kept from before, at fpscale's init, are not reused
+        f"FP-Mamba {tag}, authors_state_tracking": ([{"type": "fpmamba", "preset": "authors_state_tracking",
+                                                      "init": "authors", **mix}], FP_SOLVER),
         f"FP-Mamba2 {tag}": ([{"type": "fpmamba2", "headdim": 16, "solver": dict(AUTHORS_SOLVER), **mix}], FP_SOLVER),
     }
 
@@ -47,7 +48,7 @@ def models(mixer: str) -> dict[str, tuple[list[dict], dict]]:
 def ablations(mixer: str) -> dict[str, tuple[list[dict], dict]]:
     """``--ablate``: the authors_state_tracking block with one of its choices set back to fpscale's."""
     mix = {"mixer": mixer, "mixer_rank": 4 if mixer == "householder" else 1, "d_state": 8}
-    base = {"type": "fpmamba", "preset": "authors_state_tracking", **mix}
+    base = {"type": "fpmamba", "preset": "authors_state_tracking", "init": "authors", **mix}
     changes = {"gate inside": {"gate": "inside"}, "rmsnorm": {"out_norm": "rmsnorm"},
                "conv + SiLU input": {"input_path": "conv_silu"}, "y into Delta": {"y_into_delta": True},
                "proven range": {"negative_eigs": False},

@@ -83,9 +83,9 @@ class Config:
                                          f"= {1 / mb:.3g})")
         if self.train.precision != "bf16":
             return out
-        floor = residual_floor(torch.bfloat16)
-        for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):
-            if unreachable(getattr(solver, name), torch.bfloat16):
+        floor = residual_floor(torch.bfloat16, norm=solver.norm)
+        for name in ("tol", "backward_tol") if solver.backward == "implicit" else ("tol",):   # neumann1: no tol
+            if unreachable(getattr(solver, name), torch.bfloat16, norm=solver.norm):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, docs/solver.md 'Precision'): raised to {floor:.3g}")
                 if name in overrides:
@@ -113,7 +113,11 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     section = data.get("parallel") or {}
     # ZeRO asked for by the YAML (one that names no engine: a run's own config.yaml names it) or ...
     asked = "zero_stage" in section and "engine" not in section
-    data = _merge(to_dict(Config()), data)
+    base = to_dict(Config())
+    # the default layer entries as their type and non-default fields only: an override that changes an
+    # entry's type (model.layers.0.type=fpsa) must not carry the fields of the default type along
+    base["model"]["layers"] = [_set_fields(spec) for spec in Config().model.layers]
+    data = _merge(base, data)
     for override in overrides:
         apply_override(data, override)
         asked = asked or override.split("=", 1)[0].strip() == "parallel.zero_stage"     # ... by an override
@@ -121,6 +125,19 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     if cfg.parallel.engine == "auto" and asked and cfg.parallel.zero_stage > 0:
         cfg.parallel.engine = "deepspeed"      # ZeRO asked for: DeepSpeed, one process too (parallel.engine)
     return cfg
+
+
+def _set_fields(spec) -> dict[str, Any]:
+    """A layer spec as YAML data: ``type`` and the fields that differ from their defaults."""
+    import dataclasses
+    out = {}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        if f.name == "type" or value != default:
+            out[f.name] = to_dict(value)
+    return out
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:

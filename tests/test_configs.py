@@ -21,6 +21,11 @@ def test_shipped_config_builds(path):
         assert n < 5e6
         assert {s.type for s in cfg.model.layers} >= ({"attn", "fpsa", "fpmamba", "looped"}
                                                        if "mixed" in name else set())
+    elif "attractor" in name:          # jacobfa/Attractor's labels and the baselines beside them (issue 38)
+        want = {"140m_attractor.yaml": 134.2e6, "140m_attractor_eqparams.yaml": 134.2e6,
+                "140m_attractor_gpt.yaml": 143.1e6, "140m_attractor_eqflops.yaml": 272.7e6,
+                "370m_attractor.yaml": 376.2e6, "770m_attractor.yaml": 769.5e6}[name]
+        assert n == pytest.approx(want, rel=1e-3) and cfg.data.seq_len == 2048
     elif name == "125m_mamba1.yaml":   # plain Mamba-1 at the 125m geometry: no MLP, tied embeddings
         assert cfg.model.d_model == 768 and 0.8e8 < n < 0.9e8 and cfg.data.seq_len == 2048
     elif name.startswith("125m"):      # the GPT-3 125M geometry
@@ -160,6 +165,8 @@ def test_shipped_configs_follow_the_seeds_and_load_without_a_warning(path):
         if not spec.looped:            # no solver: attn, and epsilon (learned halting)
             continue
         solver = cfg.solver.with_overrides(spec.solver, f"model.layers.{i}.solver")
+        if spec.type == "attractor":   # Attractor's recipe: every sample converged (p = 0, their solvers.py:110),
+            continue                   # evaluated at its training cap (depths 1/2/4 below it): their configs
         assert solver.stop_quantile == 0.25 and int(solver.stop_quantile * cfg.train.micro_batch) >= 1
         if solver.max_iter > 1:          # max_iter 1: a plain (one-pass) layer, such as 125m_mamba's
             assert solver.eval_iterations >= 2 * solver.max_iter
@@ -173,3 +180,28 @@ def test_shipped_config_bounds_what_an_uncatchable_kill_loses(path):
     train = yaml.safe_load(open(path))["train"]
     assert train.get("save_interval", 0) > 0 and train.get("save_interval_minutes", 0) > 0, path
     assert train["save_interval"] <= train["steps"] // 6
+
+
+def test_the_attractor_recipes_are_their_configs():
+    from fpscale.solvers.precision import residual_floor
+
+    """configs/{140m,370m,770m}_attractor.yaml carry jacobfa/Attractor's architecture and solver
+    (attractor/configs/attractor/*.py at fcf045f) and its batch and token budget (launch_configs)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    theirs = {"140m": (1024, 8, 7, 1, 0.75, 0.75, 64, 6, 3e-4, 1.0, "neumann1", 6, 11.2e9),
+              "370m": (1280, 10, 15, 2, 0.75, 1.0, 64, 8, 2e-4, 1.0, "neumann1", 6, 29.6e9),
+              "770m": (1280, 10, 35, 2, 0.73, 0.9, 32, 6, 1.5e-4, 0.96, "implicit", 6, 61.6e9)}
+    for label, (d, heads, backbone, blocks, gate, gmax, mx, mn, tol, beta, bw, bmn, tokens) in theirs.items():
+        cfg = fpscale.load_config(os.path.join(root, f"{label}_attractor.yaml"), ["train.precision=fp32"])
+        attn, head = cfg.model.layers
+        s = cfg.solver.with_overrides(head.solver, "solver")
+        assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.mlp_ratio, cfg.model.rope_theta) == (d, heads, 4.0, 5e4)
+        assert (attn.repeat, attn.mlp, attn.qk_norm, attn.init) == (backbone, "relu2", True, "scaled_zero_ortho")
+        assert (head.type, head.head_blocks, head.gate_init, head.gamma_max) == ("attractor", blocks, gate, gmax)
+        assert (s.max_iter, s.min_iter, s.damping, s.backward, s.backward_min_iter) == (mx, mn, beta, bw, bmn)
+        floor = residual_floor(torch.bfloat16, norm="sample_l2")     # their tol where bf16 resolves it, else the floor
+        assert s.tol == pytest.approx(max(tol, floor), rel=0.01) and s.backward_tol == s.tol
+        assert (s.anderson, s.anderson_variant, s.norm, s.stop_quantile, s.patience) == (5, "attractor", "sample_l2",
+                                                                                         0.0, 0)
+        assert not s.mask_unconverged and cfg.model.norm_eps == 1e-5 and cfg.model.vocab_size == 32768
+        assert cfg.train.global_batch_tokens == 524288 and abs(cfg.train.steps * 524288 - tokens) < 524288

@@ -7,6 +7,10 @@
     #    (the tokenizer: beside the config's token shards, or --tokenizer; fpscale.hf)
     python launch/convert.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --to hf --out exported/hf
 
+    # jacobfa/Attractor's save_pretrained folder (config.json + model.pt or model.safetensors) <-> fpscale
+    python launch/convert.py --from attractor their_folder/ --out exported/      # -> whole weights
+    python launch/convert.py --checkpoint exported/ --to attractor --out theirs/  # -> their folder
+
     # and back: whole weights -> a step-0 sharded checkpoint of run NAME on this launch's layout,
     # which `launch/pretrain.py ... name=NAME` then resumes (fresh optimizer, the weights kept)
     torchrun --nproc_per_node 2 launch/convert.py --weights exported/ --name NAME [key=value ...]
@@ -30,7 +34,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="sharded checkpoint folder to consolidate (--to hf: or exported weights)")
     ap.add_argument("--out", help="output folder for model.safetensors + config.yaml (or the HF folder)")
-    ap.add_argument("--to", choices=["safetensors", "hf"], default="safetensors",
+    ap.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "DIR"),
+                    help="attractor DIR: jacobfa/Attractor's save_pretrained folder -> whole weights in --out")
+    ap.add_argument("--to", choices=["safetensors", "hf", "attractor"], default="safetensors",
                     help="what --checkpoint becomes: fpscale's safetensors + config.yaml, or a Hugging Face folder")
     ap.add_argument("--tokenizer", help="--to hf: the SentencePiece model or tokenizer.json (default: the one the "
                          "config's data was prepared with)")
@@ -42,6 +48,19 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of the weights' config")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.source:
+        fmt, folder = args.source
+        if fmt != "attractor" or not args.out:
+            ap.error("--from takes attractor DIR, with --out")
+        from fpscale.hf.attractor import import_folder
+        import_folder(folder, args.out)
+        print(f"wrote {os.path.join(args.out, 'model.safetensors')} and config.yaml from Attractor's {folder}")
+        return 0
+    if args.checkpoint and args.out and args.to == "attractor":
+        from fpscale.hf.attractor import export_folder
+        export_folder(args.checkpoint, args.out)
+        print(f"wrote Attractor's config.json, model.pt and model.safetensors in {args.out}")
+        return 0
     if args.checkpoint and args.out:
         from fpscale.train.checkpoint import export_safetensors, verify
         if os.path.exists(os.path.join(args.checkpoint, "meta.json")):

@@ -10,7 +10,19 @@ Position-aligned tasks (``example(i)`` -> (inputs [seq_len], targets [seq_len]);
 ``experiments/``; the next-token trainer (``data.task``) does not train them:
   s3, a4, a5   group word problems (Merrill et al.; seed 002 Figs. 1-4): the inputs are elements
                g_1 .. g_T of the group (ids 0 .. |G|-1), the target at t the product so far
-               p_t = g_1 g_2 ... g_t (p_t = p_{t-1} o g_t, ``compose``); needs vocab >= |G|
+               p_t = g_1 g_2 ... g_t (p_t = p_{t-1} o g_t, ``compose``); needs vocab >= |G|.
+               The authors' conventions (dr-faustus/fp-rnn data/word_problem/dataset.py and
+               word_problem_exp/main.py; seed 002 App. E.2), each an option, off by default:
+                 start_token     a start token BOS = |G| before the word (their tokenizer's
+                                 template, dataset.py lines 148-153, on the inputs and on the
+                                 targets: the target at BOS is BOS); the example is seq_len + 1 long
+                 short_fraction  the share of words of length 2, right-padded with PAD = |G| + 1
+                                 (their training set concatenates the length-2 file, every one of
+                                 the |G|^2 words, with the length-k sample, dataset.py lines 121-129
+                                 and 181-205; pad_collate pads, lines 77-103): ``authors_short_fraction``
+                 score_specials  the targets at BOS and PAD are scored (their loss is the plain
+                                 cross-entropy over every position, main.py line 176, with no
+                                 ignore index); off: those targets are -100
   copy_sep     Jelassi et al.'s copy (seed 002 Table 1 / Fig. 2b): x_1..x_n SEP x_1..x_n with
                n uniform in [min_len, max_len]; targets only after SEP; padded to seq_len with PAD.
                Tokens: content 0 .. vocab-3, SEP = vocab-2, PAD = vocab-1; seq_len >= 2 max_len
@@ -49,6 +61,15 @@ def group_elements(name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(p for p in perms if name.startswith("s") or _parity(p) == 0)
 
 
+def authors_short_fraction(name: str, k_words: int = 16_000_000, train_split: float = 0.8) -> float:
+    """The share of length-2 words in the authors' training set: all |G|^2 of them beside the
+    train split of ``k_words`` sampled words of the training length (seed 002 App. E.2: 16M words
+    of length 16, split 4:1; their generate_data.py writes every word when no sample count is given).
+    For S3 that is 36 in 12.8M (2.8e-6), for A5 3,600 (2.8e-4), for S5 14,400 (1.1e-3)."""
+    short = len(group_elements(name)) ** 2
+    return short / (short + train_split * k_words)
+
+
 def compose(p: tuple[int, ...], g: tuple[int, ...]) -> tuple[int, ...]:
     """(p o g)(i) = p(g(i)): apply g first, then p."""
     return tuple(p[g[i]] for i in range(len(p)))
@@ -82,18 +103,34 @@ class SyntheticTask:
     needs_shuffle = False     # sample i is already random: the order is the identity
 
     def __init__(self, task: str, vocab_size: int, seq_len: int, seed: int, period: int = 3,
-                 min_len: int = 1, max_len: int = 0, distractors: int = 0):
+                 min_len: int = 1, max_len: int = 0, distractors: int = 0, start_token: bool = False,
+                 short_fraction: float = 0.0, score_specials: bool = False):
         self.task, self.vocab, self.seq_len, self.seed, self.period = task, vocab_size, seq_len, seed, period
         self.min_len, self.max_len, self.distractors = min_len, max_len or seq_len // 2, distractors
+        self.start_token, self.short_fraction, self.score_specials = start_token, short_fraction, score_specials
         self._check()
+
+    @property
+    def specials(self) -> int:
+        """How many ids above the group's elements the group task uses (BOS, PAD)."""
+        return int(self.start_token) + int(self.short_fraction > 0)
 
     def _check(self) -> None:
         known = ("periodic", "copy") + ALIGNED_TASKS
         if self.task not in known:
             raise DataError(f"unknown synthetic task {self.task!r}: one of {known}")
-        if self.task in GROUP_TASKS and self.vocab < len(group_elements(self.task)):
-            raise DataError(f"task {self.task} has {len(group_elements(self.task))} elements: vocab_size "
-                             f"{self.vocab} is too small")
+        conventions = self.start_token or self.short_fraction or self.score_specials
+        if conventions and self.task not in GROUP_TASKS:
+            raise DataError(f"start_token, short_fraction and score_specials are options of the group tasks "
+                            f"{GROUP_TASKS}, not of {self.task!r}")
+        if not 0.0 <= self.short_fraction <= 1.0:
+            raise DataError(f"short_fraction must be in [0, 1], got {self.short_fraction}")
+        if self.task in GROUP_TASKS and self.vocab < len(group_elements(self.task)) + self.specials:
+            raise DataError(f"task {self.task} has {len(group_elements(self.task))} elements"
+                            f"{f' and {self.specials} special tokens' if self.specials else ''}: vocab_size "
+                            f"{self.vocab} is too small")
+        if self.short_fraction > 0 and self.seq_len < 2:
+            raise DataError(f"short_fraction pads words of length 2 to seq_len, got seq_len {self.seq_len}")
         if self.task == "copy_sep":
             if not (1 <= self.min_len <= self.max_len and 2 * self.max_len <= self.seq_len and self.vocab >= 3):
                 raise DataError(f"copy_sep needs 1 <= min_len <= max_len, 2 max_len <= seq_len and vocab >= 3, got "
@@ -110,7 +147,11 @@ class SyntheticTask:
 
     def fingerprint(self) -> str:
         base = f"synthetic:{self.task}:v{self.vocab}:p{self.period}"     # unchanged for the next-token tasks
-        return f"{base}:l{self.min_len}-{self.max_len}:k{self.distractors}" if self.aligned else base
+        if not self.aligned:
+            return base
+        extra = (f":bos{int(self.start_token)}:short{self.short_fraction:g}:all{int(self.score_specials)}"
+                 if self.start_token or self.short_fraction or self.score_specials else "")
+        return f"{base}:l{self.min_len}-{self.max_len}:k{self.distractors}{extra}"
 
     def _rng(self, index: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, int(index)])
@@ -135,7 +176,9 @@ class SyntheticTask:
         rng, T = self._rng(index), self.seq_len
         if self.task in GROUP_TASKS:
             word = rng.integers(0, len(group_elements(self.task)), T)
-            return word, group_products(self.task, word)
+            if not (self.start_token or self.short_fraction):
+                return word, group_products(self.task, word)
+            return self._with_conventions(rng, word)
         if self.task == "copy_sep":
             sep, pad = self.vocab - 2, self.vocab - 1
             n = int(rng.integers(self.min_len, self.max_len + 1))
@@ -164,6 +207,21 @@ class SyntheticTask:
         targets = np.full(T, IGNORE, dtype=np.int64)
         targets[T - 1] = b
         return seq, targets
+
+    def _with_conventions(self, rng: np.random.Generator, word: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A group word with the authors' conventions (module docstring): a length-2 word padded
+        with PAD with probability ``short_fraction``, BOS in front with ``start_token``."""
+        n_elems = len(group_elements(self.task))
+        bos, pad = n_elems, n_elems + int(self.start_token)
+        special_target = (lambda tok: tok) if self.score_specials else (lambda tok: IGNORE)
+        inputs, targets = word.copy(), group_products(self.task, word)
+        if self.short_fraction and rng.random() < self.short_fraction:
+            inputs[2:] = pad
+            targets[2:] = special_target(pad)
+        if self.start_token:
+            inputs = np.concatenate([[bos], inputs])
+            targets = np.concatenate([[special_target(bos)], targets])
+        return inputs.astype(np.int64), targets.astype(np.int64)
 
     def batch(self, indices) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.sample(i) for i in indices]).astype(np.int64))

@@ -6,6 +6,7 @@ A new layer type is one file here plus one registration line below (or ``registe
 in a user's own package before its config is loaded: fpscale.layers.registry).
 """
 from fpscale.layers.attn import AttnSpec
+from fpscale.layers.attractor import AttractorSpec
 from fpscale.layers.epsilon import EpsilonSpec
 from fpscale.layers.fpmamba import FPMambaSpec
 from fpscale.layers.fpmamba2 import FPMamba2Spec
@@ -22,6 +23,7 @@ register_layer(LoopedCoreSpec)
 register_layer(EpsilonSpec)
 register_layer(FPMamba2Spec)
 register_layer(FPSALHSpec)
+register_layer(AttractorSpec)
 
-__all__ = ["LAYER_TYPES", "AttnSpec", "EpsilonSpec", "FPMamba2Spec", "FPMambaSpec", "FPSALHSpec", "FPSASpec",
-           "FixedPointSpec", "LayerSpec", "LoopedCoreSpec", "layer_spec", "register_layer"]
+__all__ = ["LAYER_TYPES", "AttnSpec", "AttractorSpec", "EpsilonSpec", "FPMamba2Spec", "FPMambaSpec", "FPSALHSpec",
+           "FPSASpec", "FixedPointSpec", "LayerSpec", "LoopedCoreSpec", "layer_spec", "register_layer"]

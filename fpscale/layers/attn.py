@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from fpscale.errors import check
 from fpscale.layers.checkpointing import applies, layer_mode, recompute
 from fpscale.layers.common import (
     MLP,
@@ -21,6 +23,7 @@ from fpscale.layers.common import (
     swiglu_hidden,
 )
 from fpscale.layers.registry import LayerSpec
+from fpscale.layers.switches import INITS, MLP_KINDS, VE_GATE_CHANNELS, Relu2MLP, ValueEmbedding, scaled_zero_ortho_
 
 
 def heads_and_mlp(cfg) -> list[tuple[str, int]]:
@@ -28,11 +31,34 @@ def heads_and_mlp(cfg) -> list[tuple[str, int]]:
     return [("model.n_heads", cfg.n_heads), mlp_tp_divisor(cfg)]
 
 
+def check_switches(spec, prefix: str) -> None:
+    """The block switches ``mlp``, ``init`` (and the boolean ``qk_norm``) of attn and attractor."""
+    check(spec.mlp in MLP_KINDS, f"{prefix}.mlp", f"must be one of {', '.join(MLP_KINDS)}, got {spec.mlp!r}")
+    check(spec.init in INITS, f"{prefix}.init", f"must be one of {', '.join(INITS)}, got {spec.init!r}")
+
+
 @dataclass
 class AttnSpec(LayerSpec):
-    """``attn``: one pass of attention + MLP (no fields of its own)."""
+    """``attn``: one pass of attention + MLP. Block switches (fpscale.models.switches), defaults
+    fpscale's: ``mlp`` swiglu | relu2 (proj(0.5 relu(fc x)^2), jacobfa/Attractor's), ``qk_norm``
+    (a parameter-free RMSNorm on q and k after RoPE), ``init`` fpscale | scaled_zero_ortho
+    (Attractor's backbone init: orthogonal q/k/v/fc at std sqrt(2/(5d)), zero output projections)."""
 
     type: str = "attn"
+    inits: ClassVar[tuple[str, ...]] = ("fpscale", "scaled_zero_ortho")     # Attractor's: fpscale.layers.switches
+    mlp: str = "swiglu"
+    qk_norm: bool = False
+    init: str = "fpscale"
+    value_embed: bool = False
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check_switches(self, prefix)
+
+    def validate_in(self, cfg, prefix: str) -> None:
+        check(not self.value_embed or cfg.d_model >= VE_GATE_CHANNELS, f"{prefix}.value_embed",
+              f"the gate reads the first {VE_GATE_CHANNELS} channels: d_model must be >= {VE_GATE_CHANNELS}, "
+              f"got {cfg.d_model}")
 
     def build(self, cfg, solver=None) -> torch.nn.Module:
         return AttnBlock(cfg, self)
@@ -42,17 +68,20 @@ class AttnSpec(LayerSpec):
 
     def flops(self, cfg, seq_len: int) -> tuple[float, float]:
         hidden = swiglu_hidden(cfg.d_model, cfg.mlp_ratio)
-        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, hidden), 0.0
+        gate = 2 * VE_GATE_CHANNELS * cfg.n_heads if self.value_embed else 0
+        return attention_flops(cfg.d_model, seq_len) + mlp_flops(cfg.d_model, hidden, self.mlp) + gate, 0.0
 
 
 class Attention(torch.nn.Module):
     """Causal self-attention with RoPE and an optional KV cache for decoding."""
 
     def __init__(self, d_model: int, n_heads: int, rope_theta: float, init_std: float, out_std: float,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, qk_norm: bool = False, value_embed: int = 0):
         super().__init__()
         self.head_dim = d_model // n_heads
-        self.rope_theta, self.dropout = rope_theta, dropout
+        # value_embed: the vocabulary size of a value-embedding table (0: none)
+        self.value_embed = ValueEmbedding(value_embed, d_model, n_heads) if value_embed else None
+        self.rope_theta, self.dropout, self.qk_norm = rope_theta, dropout, qk_norm
         self.w_qkv = torch.nn.Parameter(torch.empty(3 * d_model, d_model))
         self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
         init_linear(self.w_qkv, init_std)
@@ -65,9 +94,11 @@ class Attention(torch.nn.Module):
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
+        h = self.shards.enter(h)
+        extra = self.value_embed(h) if self.value_embed is not None else None
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
-            out, k, v = self_attention(self.shards.enter(h), self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
-                                       self.dropout if self.training else 0.0, pad)
+            out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
+                                       self.dropout if self.training else 0.0, pad, self.qk_norm, extra)
         if cache is not None:
             cache["k"], cache["v"] = k, v
         return self.shards.exit(out)
@@ -88,12 +119,27 @@ class AttnBlock(torch.nn.Module):
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = self.make_attention(cfg, spec, solver, out_std)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+        kind = getattr(spec, "mlp", "swiglu")
+        self.mlp = (Relu2MLP if kind == "relu2" else MLP)(cfg.d_model, cfg.mlp_ratio, cfg.init_std, out_std)
+        if getattr(spec, "init", "fpscale") == "scaled_zero_ortho":     # Attractor's backbone init
+            with torch.no_grad():
+                scaled_zero_ortho_(self.attn.w_qkv, parts=3)
+                self.attn.w_o.zero_()
+                scaled_zero_ortho_(self.mlp.w_fc if kind == "relu2" else self.mlp.w_gate)
+                if kind == "swiglu":
+                    scaled_zero_ortho_(self.mlp.w_up)
+                (self.mlp.w_proj if kind == "relu2" else self.mlp.w_down).zero_()
         self.dropout = cfg.dropout
         self.checkpoint = layer_mode(cfg, spec)
 
+    def compile_regions(self) -> tuple[str, ...]:
+        """What ``train.compile: blocks`` compiles (fpscale.parallel.compile): the whole block, or,
+        where the attention is a solve, the MLP sublayer after it."""
+        return ("mlp_sublayer",) if self.looped_attention else ("forward",)
+
     def make_attention(self, cfg, spec, solver, out_std: float) -> torch.nn.Module:
-        return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout)
+        return Attention(cfg.d_model, cfg.n_heads, cfg.rope_theta, cfg.init_std, out_std, cfg.attn_dropout,
+                         getattr(spec, "qk_norm", False), cfg.vocab_size if getattr(spec, "value_embed", False) else 0)
 
     def attn_sublayer(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                       pad: torch.Tensor | None = None) -> torch.Tensor:

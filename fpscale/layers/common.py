@@ -36,9 +36,9 @@ def attention_score_flops(d_model: int, seq_len: int) -> float:
     return 2 * 2 * (seq_len / 2) * d_model
 
 
-def mlp_flops(d_model: int, hidden: int) -> float:
-    """Forward matmul FLOPs per token of a SwiGLU MLP (gate, up, down)."""
-    return 2 * 3 * d_model * hidden
+def mlp_flops(d_model: int, hidden: int, kind: str = "swiglu") -> float:
+    """Forward matmul FLOPs per token of an MLP: SwiGLU (gate, up, down) or ReLU^2 (fc, proj)."""
+    return 2 * (2 if kind == "relu2" else 3) * d_model * hidden
 
 
 class Unsharded:
@@ -153,12 +153,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head_dim: int, cos, sin,
-                   past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None):
+                   past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None,
+                   qk_norm: bool = False, v_extra: torch.Tensor | None = None):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
     tokens; ``pad`` the rows' left padding. Returns (output, k, v) with k, v covering past and
-    new tokens."""
-    q, k, v = (split_heads(t, head_dim) for t in F.linear(h, w_qkv).chunk(3, dim=-1))
+    new tokens. ``qk_norm``: q and k get a parameter-free RMSNorm over each head after RoPE (eps:
+    the dtype's machine epsilon, F.rms_norm's default), as jacobfa/Attractor does
+    (attractor/modules/mixer.py:13-15, 80-81); the cache then holds normalised keys."""
+    q, k, v = F.linear(h, w_qkv).chunk(3, dim=-1)
+    if v_extra is not None:            # value embeddings (fpscale.layers.switches.ValueEmbedding)
+        v = v + v_extra.to(v.dtype)
+    q, k, v = (split_heads(t, head_dim) for t in (q, k, v))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if qk_norm:
+        q, k = F.rms_norm(q, (head_dim,)), F.rms_norm(k, (head_dim,))
     if past:
         k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
     return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p, pad=pad)), w_o), k, v

@@ -52,8 +52,9 @@ import torch
 from fpscale.errors import check
 from fpscale.layers.checkpointing import recompute
 from fpscale.solvers.backward import attach_implicit, phantom
+from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Carry, IterateResult, iterate, state_dtype
+from fpscale.solvers.iterate import Carry, IterateResult, fresh_state, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -72,20 +73,15 @@ def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> 
 
 def fresh_carry(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
     """Algorithm 1's state at the start of a solve (what ``iterate`` starts from)."""
-    dtype, dev, B = state_dtype(z0.dtype), z0.device, z0.shape[0]
-    return Carry(eta=torch.full((B,), cfg.damping, dtype=dtype, device=dev),
-                 best=torch.full((B,), float("inf"), dtype=dtype, device=dev),
-                 patience_left=torch.full((B,), cfg.patience, dtype=torch.long, device=dev),
-                 frozen=torch.zeros(z0.shape[:2], dtype=torch.bool, device=dev),
-                 token_res=torch.full(z0.shape[:2], float("inf"), dtype=dtype, device=dev))
+    return fresh_state(z0, cfg)
 
 
 def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:
     """The tolerances the dtype the map computes in can reach (as ``fpscale.solvers.solve`` does)."""
     dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
-    implicit = cfg.backward == "implicit"
-    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+    implicit = cfg.backward in ("implicit", "neumann1")
+    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
 
 
 class Window:
@@ -112,15 +108,15 @@ def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
     reduce = layer.shards.state_reduce if layer.state_sharded else None
     agree = layer.dp_agree if cfg.agree == "dp" else None
     if isinstance(plan, Final):
-        if cfg.backward == "implicit":
+        if cfg.backward in ("implicit", "neumann1"):
             return attach_implicit(f, plan.z, cfg, plan.stats, layer.shards.consensus, reduce, agree)
         return phantom(f, plan.z, 1 if cfg.backward == "jfb" else cfg.phantom_steps)
     start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))
     carry = plan.carry if plan.carry is not None else fresh_carry(z0, cfg)
     replay = plan.result is not None
-    result = iterate(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
-                     state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
-                     agree=agree, carry=carry)
+    result = run_loop(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
+                      state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
+                      agree=agree, carry=carry)
     if replay:
         if result.iterations != plan.result.iterations:
             raise RuntimeError(f"deep supervision: the recomputed window took {result.iterations} iterations, the "

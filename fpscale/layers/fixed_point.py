@@ -9,6 +9,7 @@ import torch
 
 from fpscale.layers.deep_supervision import run_plan
 from fpscale.layers.looping import LoopedLayer
+from fpscale.layers.step_cache import StepCache
 from fpscale.solvers import SolverConfig, SolverStats, solve
 
 
@@ -30,6 +31,7 @@ class FixedPointLayer(LoopedLayer):
         self.solver = solver
         self.state_sharded = False       # True where the solved state is split over the shards
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
+        self.entries_per_token = 1       # entries of the solved state per token (fpsa halting: head: its heads)
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
@@ -64,7 +66,7 @@ class FixedPointLayer(LoopedLayer):
         if name not in cache:
             cache[name] = torch.compile(step, dynamic=False)
         compiled = cache[name]
-        if self.solver.backward != "implicit":
+        if self.solver.backward not in ("implicit", "neumann1"):
             return compiled
 
         def no_grad_compiled(*args, **kwargs):
@@ -73,14 +75,28 @@ class FixedPointLayer(LoopedLayer):
         return no_grad_compiled
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
-                    real: torch.Tensor | None = None) -> torch.Tensor:
-        """z* of f from z0; ``real`` [B, T] marks the real tokens of left-padded rows (padding
-        never holds up the stop test)."""
+                    real: torch.Tensor | None = None, step_cache: StepCache | None = None) -> torch.Tensor:
+        """The layer's output for the solve of f from z0 (z*, or f(z*) after it where the backward
+        mode's forward applies it: ``SolverConfig.eval_output``); ``real`` [B, T] marks the real
+        tokens of left-padded rows (padding never holds up the stop test). ``step_cache``
+        (decoding): f reads and records per-iteration entries (fpscale.layers.step_cache); the
+        solve covers the past's iterations and f is applied to z* once more where the output
+        step did not record the final entry."""
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
                                    real=real, iterate_free=self.iterate_free,
-                                   agree=self.dp_agree if self.training and self.solver.agree == "dp" else None)
+                                   agree=self.dp_agree if self.training and self.solver.agree == "dp" else None,
+                                   min_iter=step_cache.min_iter if step_cache is not None else 0,
+                                   prefix=step_cache.prefix if step_cache is not None else None,
+                                   group=self.entries_per_token,
+                                   on_final=step_cache.on_final if step_cache is not None else None)
+        if step_cache is not None:
+            step_cache.retired_at = self.last_stats.retired_at
+            if not step_cache.finals:
+                step_cache.on_final()
+                with torch.no_grad():
+                    f(z.detach())
         return z

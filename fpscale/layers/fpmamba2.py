@@ -53,9 +53,11 @@ from fpscale.layers.common import (
     wide,
 )
 from fpscale.layers.fixed_point import FixedPointLayer
-from fpscale.layers.fpmamba import FPMambaBlock, scan_flops, shift_in, weight_norm_groups, weight_normed
+from fpscale.layers.fpmamba import FPMambaBlock
+from fpscale.layers.fpmamba_map import scan_flops, shift_in, weight_norm_groups, weight_normed
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.layers.step_cache import StepCache, replace
 from fpscale.ops.ssd import ssd
 
 
@@ -213,7 +215,7 @@ class FPMamba2Mixer(FixedPointLayer):
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("mix_")}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The mixer's and feedback weights as f uses them (weight-normed: fpmamba.weight_normed)."""
+        """The mixer's and feedback weights as f uses them (weight-normed: fpmamba_map.weight_normed)."""
         out = dict(self.mixer_params())
         out.update(y_proj=self.y_proj, z_y_proj=self.z_y_proj)
         return weight_normed(self, out, self.wn_groups)
@@ -280,17 +282,24 @@ class FPMamba2Mixer(FixedPointLayer):
             u = u.masked_fill(~real[..., None], 0.0)
         dt = F.softplus(wide(F.linear(xin, self.w_dt)) + self.dt_bias)                # [B, T, heads]
         gate, bc = F.silu(wide(z)), wide(bc)
-        y_prev = cache.get("y") if cache else None
-        h0 = cache.get("h") if cache else None
+        y_prev = cache.get("y") if cache else None          # the previous token's output (gate: both)
         static = self.static(u)
-        step = self.compiled(self.step)
-        y = self.fixed_point(lambda yy: step(yy, u, gate, bc, dt, y_prev, h0, static=static, real=real),
-                             torch.zeros_like(u, dtype=wide(u).dtype), real)
-        if cache is not None:
-            with torch.no_grad():
-                _, h_last = self.step(y.detach(), u, gate, bc, dt, y_prev, h0, return_state=True, static=static,
-                                      real=real)
-            cache.update(h=h_last, y=y[:, -1].detach(), **{k: w.detach() for k, w in windows.items()})
+        z0 = torch.zeros_like(u, dtype=wide(u).dtype)
+        if cache is None:
+            step = self.compiled(self.step)
+            y = self.fixed_point(lambda yy: step(yy, u, gate, bc, dt, None, None, static=static, real=real), z0, real)
+        else:       # per iteration: the iterate's last y and the scan state after it (fpscale.layers.step_cache)
+            steps = StepCache(cache)
+
+            def f(yy):
+                y_new, h_last = self.step(yy, u, gate, bc, dt, steps.past("y"), steps.past("h"), return_state=True,
+                                          static=static, real=real)
+                steps.record(y=yy[:, -1], h=h_last)
+                return y_new
+
+            y = self.fixed_point(f, z0, real, steps)
+            steps.store(cache, {"y": replace, "h": replace})
+            cache.update(y=y[:, -1].detach(), **{k: w.detach() for k, w in windows.items()})
         if self.gate == "both":
             pre = wide(z)
             if self.z_y_proj is not None:

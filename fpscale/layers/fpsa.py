@@ -63,6 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.layers.step_cache import StepCache, along
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -165,10 +166,12 @@ class FPSAttention(FixedPointLayer):
         qk = apply_rope(qk.view(*qk.shape[:-1], -1, self.head_dim), cos, sin).transpose(1, 2)   # [B, 2H, T, dh]
         return qk.chunk(2, dim=1)
 
-    def step(self, z, h, w_qk, v, cos, sin, scale: float, past_k=None, pad=None) -> torch.Tensor:
+    def step(self, z, h, w_qk, v, cos, sin, scale: float, past_k=None, pad=None, keys: list | None = None):
         """One application of f: Z_k -> Z_{k+1} (``v``: past and new values; ``past_k``: the
-        cached keys of earlier tokens, or None)."""
+        earlier tokens' keys at this iteration, or None; ``keys``: gets the new tokens' keys)."""
         q, k = self.queries_and_keys(z, h, w_qk, cos, sin)
+        if keys is not None:
+            keys.append(k)
         k_all = k if past_k is None else torch.cat([past_k, k], 2)
         return self.shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v, scale, pad=pad)), self.w_o))
 
@@ -176,9 +179,12 @@ class FPSAttention(FixedPointLayer):
         """Z = U W_O [B, T, d] from the heads' outputs U [B, T * H, d_h] (this rank's heads)."""
         return self.shards.exit(linear(u.reshape(u.shape[0], -1, self.w_o.shape[1]), self.w_o))
 
-    def head_step(self, u, h, w_qk, v, cos, sin, scale: float, past_k=None, pad=None) -> torch.Tensor:
+    def head_step(self, u, h, w_qk, v, cos, sin, scale: float, past_k=None, pad=None,
+                  keys: list | None = None) -> torch.Tensor:
         """One application of f in ``halting: head``: U_k [B, T * H, d_h] -> U_{k+1} (Z_k = U_k W_O)."""
         q, k = self.queries_and_keys(self.project(u), h, w_qk, cos, sin)
+        if keys is not None:
+            keys.append(k)
         k_all = k if past_k is None else torch.cat([past_k, k], 2)
         out = causal_attention(q, k_all, v, scale, pad=pad)           # [B, H, T, dh]
         return out.transpose(1, 2).reshape(u.shape)
@@ -187,13 +193,13 @@ class FPSAttention(FixedPointLayer):
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         w_qk, scale = self.qk_weight()     # under TP: this rank's heads; z stays whole
         v = split_heads(F.linear(self.shards.enter(h), self.w_v), self.head_dim)
-        past_k = cache.get("k") if cache is not None else None
+        steps = StepCache(cache) if cache is not None else None     # the keys of every iteration
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
         cos, sin = (token_major(t) for t in rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad))
         heads = self.halting == "head"
         method = self.head_step if heads else self.step
-        step = self.compiled(method) if past_k is None else method     # decoding stays eager
+        step = self.compiled(method) if cache is None else method     # decoding stays eager
         real = real_tokens(pad, pos, h.shape[1])
         if heads:
             n_heads = v.shape[1]
@@ -205,21 +211,25 @@ class FPSAttention(FixedPointLayer):
             real = None if real is None else real.repeat_interleave(n_heads, dim=1)
         else:
             n_heads, z0 = 1, h
+        self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
         counter = EntryIterations(self.solver.freeze_converged)
 
         def f(z):
             counter.see(z)
-            return step(z, h, w_qk, v_all, cos, sin, scale, past_k, pad)
+            if steps is None:
+                return step(z, h, w_qk, v_all, cos, sin, scale, None, pad)
+            keys: list = []
+            out = step(z, h, w_qk, v_all, cos, sin, scale, steps.past("k"), pad, keys)
+            steps.record(k=keys[0].contiguous())
+            return out
 
-        z = self.fixed_point(f, z0, real)
+        z = self.fixed_point(f, z0, real, steps)
         self.last_stats = FPSAStats(self.last_stats, counter.result(z, self.last_stats.iterations),  # type: ignore
                                     n_heads, real, self.head_offset(n_heads) if heads else None)
         if heads:
             z = self.project(z)
         if cache is not None:
-            with torch.no_grad():
-                k_new = self.queries_and_keys(z.detach(), h, w_qk, cos, sin)[1].contiguous()   # not a view of Q too
-            cache["k"] = k_new if past_k is None else torch.cat([past_k, k_new], 2)
+            steps.store(cache, {"k": along(2)})          # k: [B, H, T, dh] per entry
             cache["v"] = v_all.detach()
         return z.to(h.dtype)
 

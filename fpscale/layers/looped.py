@@ -35,6 +35,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.layers.step_cache import StepCache, along
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -142,16 +143,27 @@ class LoopedCore(FixedPointLayer):
             conv, window = causal_conv(x, self.conv_w, None, cache.get("conv") if cache else None, real)
             x_in = x + conv
         cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x, pad)
-        caches = cache.get("kv") if cache else None
         _, _, a2, b2 = self.scalings()
         inject = b2 * x_in
-        one_pass = self.compiled(self.one_pass) if caches is None else self.one_pass
-        s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, caches, pad=pad), torch.zeros_like(x), real)
-        if cache is not None:
-            collected: list = []
-            with torch.no_grad():
-                self.one_pass(a2 * s.detach() + inject, cos, sin, caches, collected, pad)
-            cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
+        if cache is None:
+            one_pass = self.compiled(self.one_pass)
+            s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, None, pad=pad), torch.zeros_like(x),
+                                 real)
+        else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
+            steps = StepCache(cache)
+            names = [f"{kv}{l}" for l in range(self.blocks) for kv in "kv"]
+
+            def f(s):
+                past = None if steps.past_iters is None else [
+                    {"k": steps.past(f"k{l}"), "v": steps.past(f"v{l}")} for l in range(self.blocks)]
+                collected: list = []
+                out = self.one_pass(a2 * s + inject, cos, sin, past, collected, pad)
+                steps.record(**{f"{kv}{l}": t[:, :, -x.shape[1]:] for l, pair in enumerate(collected)   # new tokens
+                                for kv, t in zip("kv", pair)})
+                return out
+
+            s = self.fixed_point(f, torch.zeros_like(x), real, steps)
+            steps.store(cache, {n: along(2) for n in names})
             if window is not None:
                 cache["conv"] = window.detach()
         return s.to(x.dtype)

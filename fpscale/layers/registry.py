@@ -43,13 +43,17 @@ if TYPE_CHECKING:
 class LayerSpec:
     """One entry of ``model.layers``: ``type`` picks the registered dataclass, ``repeat`` copies
     the entry (each copy has its own weights); ``checkpoint`` overrides ``model.checkpoint`` for
-    it (fpscale.layers.checkpointing; None: the global mode)."""
+    it (fpscale.layers.checkpointing; None: the global mode); ``init`` names the parameter
+    initialisation, one of the type's ``inits`` (every type has ``fpscale``, its own; a type that
+    reproduces a peer's starting point adds that one, e.g. fpmamba's ``authors``)."""
 
     type: str
     repeat: int = 1
     checkpoint: str | None = None
+    init: str = "fpscale"
 
     looped: ClassVar[bool] = False       # True: a fixed-point layer, with a solver
+    inits: ClassVar[tuple[str, ...]] = ("fpscale",)     # the values of ``init`` this type builds
 
     @classmethod
     def select(cls, data: dict[str, Any], key: str) -> type[LayerSpec]:
@@ -60,6 +64,8 @@ class LayerSpec:
 
     def validate(self, prefix: str = "") -> None:
         check(self.repeat >= 1, f"{prefix}.repeat", f"must be >= 1, got {self.repeat}")
+        check(self.init in self.inits, f"{prefix}.init",
+              f"layer type {self.type!r} has no initialisation {self.init!r}: one of {' | '.join(self.inits)}")
 
     def validate_in(self, cfg: ModelConfig, prefix: str) -> None:
         """Constraints that involve the model's sizes (checked by ModelConfig.validate)."""

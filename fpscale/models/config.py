@@ -38,6 +38,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    embed_init: str = "normal"    # normal (std init_std) | trunc_orthogonal: jacobfa/Attractor's embedding, a
+    # truncated-orthogonal table with entries of std init_std (fpscale.layers.switches.trunc_orthogonal_)
     embed_scale: float = 1.0      # token embeddings enter the stack times this (the tied output layer
     # reads the table unscaled); Epsilon's authors use sqrt(d_model): its CenterNorm keeps the scale
     tie_embeddings: bool = True
@@ -62,6 +64,8 @@ class ModelConfig:
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
             check(0.0 <= value < 1.0, f"{prefix}.{name}", f"must lie in [0, 1), got {value}")
+        check(self.embed_init in ("normal", "trunc_orthogonal"), f"{prefix}.embed_init",
+              f"must be normal or trunc_orthogonal, got {self.embed_init!r}")
         check(self.embed_scale > 0, f"{prefix}.embed_scale", f"must be > 0, got {self.embed_scale}")
         check(self.mlp_ratio > 0, f"{prefix}.mlp_ratio", f"must be > 0, got {self.mlp_ratio}")
         check(self.loss_chunk >= 0, f"{prefix}.loss_chunk",

@@ -17,6 +17,7 @@ from fpscale.layers.common import RMSNorm
 from fpscale.layers.deep_supervision import check_solver, deep_supervised_loss, supervised
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.looping import LoopedLayer
+from fpscale.layers.switches import trunc_orthogonal_
 from fpscale.models.caps import draw_cap
 from fpscale.models.config import ModelConfig
 from fpscale.models.heads import LMHead
@@ -29,7 +30,10 @@ class LoopedLM(torch.nn.Module):
         self.cfg, self.seed = cfg, seed
         solver = solver or SolverConfig()
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
-        torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        if cfg.embed_init == "trunc_orthogonal":      # Attractor's (attractor.py:296 with its scaled-zero table)
+            trunc_orthogonal_(self.embed.weight, cfg.init_std)
+        else:
+            torch.nn.init.normal_(self.embed.weight, std=cfg.init_std)
         layers = []
         for i, spec in enumerate(cfg.layers):     # each layer type builds its block (fpscale.layers.registry)
             layer_solver = solver.with_overrides(spec.solver, f"model.layers.{i}.solver") if spec.looped else None
@@ -41,6 +45,8 @@ class LoopedLM(torch.nn.Module):
                         spec.deep_supervision.window
             layers += built
         self.layers = torch.nn.ModuleList(layers)
+        # modules that read the token ids of the sequence (value embeddings: fpscale.layers.switches)
+        self.token_readers = [m for m in self.layers.modules() if hasattr(m, "tokens")]
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead()                  # logits and loss; fpscale.parallel swaps in the vocab-parallel one
@@ -59,6 +65,8 @@ class LoopedLM(torch.nn.Module):
             raise ValueError(f"sequence of {pos + tokens.shape[1]} tokens exceeds model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
         x = self.embed(tokens)
+        for m in self.token_readers:
+            m.tokens = tokens
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         if pad is not None and (pad.shape != tokens.shape[:1] or pad.dtype != torch.long):

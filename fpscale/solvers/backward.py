@@ -9,6 +9,10 @@ implicit  one differentiable application fz = f(z*) is recorded; a hook on fz re
           whose own residual fell below backward_tol is frozen (seed 000, App. C.3: "The same
           selective update rule and convergence criteria (tol, max_iter) are applied to the
           adjoint solve"); per token, or per (token, head) where the state is laid out so (fpsa).
+neumann1  implicit with the adjoint cut to its first Neumann term, u = g + J^T g: one vector-Jacobian
+          product, no masking, no damping, no tolerance (jacobfa/Attractor's ``onestep`` backward,
+          attractor/models/attractor/attractor.py:65-70, without its optional ``adjoint_clip``).
+          Only a non-finite sample's rows are dropped, as implicit with ``mask_unconverged`` off does.
 phantom   k differentiable applications of f starting at the detached z* (seed 004, Prop. 1).
 jfb       phantom with k = 1.
 unroll    handled by the solver: autograd through every forward iteration.
@@ -20,8 +24,9 @@ from typing import Callable
 
 import torch
 
+from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token, iterate
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
 
@@ -32,7 +37,8 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     z* is in the solver's state dtype; so are f(z*) here and the adjoint iterate."""
     z_in = z_star.detach().requires_grad_()
     fz = f(z_in).to(z_in.dtype)
-    if cfg.mask_unconverged and cfg.tol > 0:
+    neumann1 = cfg.backward == "neumann1"
+    if cfg.mask_unconverged and cfg.tol > 0 and not neumann1:
         keep = stats.token_converged
     # (with tol 0, a fixed depth, no token ever counts as converged: masking would drop every gradient,
     # so only non-finite samples are masked, as with mask_unconverged off)
@@ -42,21 +48,31 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
         keep = keep & torch.isfinite(fz.detach()).reshape(*keep.shape, -1).all(-1)
     mask = _per_token(keep, fz).to(fz.dtype)
     # the adjoint tests its current residual whatever the forward's ``stop_residual``: a best-so-far
-    # test could end it on an adjoint that has since moved away
+    # test could end it on an adjoint that has since moved away. Its damping is per sample whatever
+    # the forward's ``decisions``: the adjoint runs backward in time (u_t gathers the gradients of
+    # tokens >= t), so causality is no rule for it, and ``backward_freeze`` alone decides its freezing
     adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
                                       stop_quantile=0.0, freeze_converged=cfg.backward_freeze,
-                                      stop_residual="current")
+                                      stop_residual="current", decisions="sample",
+                                      min_iter=cfg.backward_min_iter)
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask
+        if neumann1:
+            (vjp,) = torch.autograd.grad(fz, z_in, g, retain_graph=True)
+            u = (vjp + g) * mask
+            with torch.no_grad():      # the size of the Neumann term: how far J^T is from 0 here
+                stats.backward_iterations = 1
+                stats.backward_residual = (vjp * mask).norm() / u.norm().clamp_min(1e-30)
+            return u
 
         def adjoint_step(u: torch.Tensor) -> torch.Tensor:
             (vjp,) = torch.autograd.grad(fz, z_in, u, retain_graph=True)
             return (vjp + g) * mask
 
         with torch.no_grad():
-            result = iterate(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
-                             state_reduce=state_reduce, agree=agree)
+            result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,
+                              state_reduce=state_reduce, agree=agree)
         stats.backward_iterations = result.iterations
         # a device scalar: read with the other statistics at a log step, never here
         stats.backward_residual = (result.token_res.max() if result.token_res.numel()

@@ -7,7 +7,8 @@ from typing import Literal
 
 from fpscale.errors import check
 
-BackwardMode = Literal["implicit", "phantom", "jfb", "unroll"]
+BackwardMode = Literal["implicit", "neumann1", "phantom", "jfb", "unroll"]
+IMPLICIT_MODES = ("implicit", "neumann1")       # the modes with an adjoint at z* (one f under grad)
 
 
 @dataclass
@@ -20,21 +21,43 @@ class SolverConfig:
                          with more iterations than they train with (FPRM: 256 vs 128)
       tol                a sample is converged when the relative residual of each of its tokens
                          is below tol (raised to what the map's dtype resolves: solvers.precision)
-      norm               ``inf`` (default) or ``l2`` relative residual per token
+      norm               ``inf`` (default) or ``l2`` relative residual per token, or ``sample_l2``: one
+                         residual per sample, ||f(z) - z||_2 / ||z||_2 over the whole sample (every
+                         token and channel), in float32 against the previous iterate z, as
+                         jacobfa/Attractor does (attractor/models/attractor/solvers.py:4-9);
+                         fpscale.solvers.sample_residual
+      min_iter           no convergence (quantile) stop before this many applications of f (the
+                         non-finite stop still applies); clipped to the cap, as Attractor does
+                         (attractor.py:340)
       stop_quantile      p: in training, stop once at most floor(p * B) of the B samples of the
                          micro-batch are unconverged (75% converged at the seeds' p = 0.25);
                          evaluation always uses p = 0 (every sample converged). p * B < 1 is the
                          same rule as p = 0: ``fpscale.Config`` warns about it, naming the key
-      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z, per sample
-      patience, decay    after ``patience`` steps without a new best residual of a sample, that
-                         sample's eta <- decay * eta (patience 0 disables the decay)
+      decisions          token (default) | sample: the unit that Algorithm 1's damping, patience and
+                         freezing act on. token: each token has its own eta, best residual and
+                         patience, driven by its own residual, and retires (is frozen) once it
+                         converged or its eta fell below eta_min: a causal f then gives token t an
+                         output that depends on tokens <= t only, converged or not, and cached
+                         decoding repeats the full forward's iterates (docs/solver.md, "Causality").
+                         sample: the seeds' rule (FPRM Algorithm 1 per sample, as the FP-RNN
+                         authors' solver keeps it): one eta per sample, driven by its largest token
+                         residual, so a stalled later token damps earlier ones; for non-causal maps
+      damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z
+      patience, decay    after ``patience`` steps without a new best residual of a unit (token or
+                         sample), its eta <- decay * eta (patience 0 disables the decay)
       stop_residual      the residual the convergence test reads: ``current`` (this iteration's, default)
                          or ``best`` (each sample's lowest so far: the FP-RNN authors' solver,
                          fpscale.solvers.stop_rule)
       eta_min            stop when every unconverged sample's eta fell below this
-      freeze_converged   per-token selective update (FPSA): a converged token is frozen
+      freeze_converged   per-token selective update (FPSA): a converged token is frozen (always so
+                         with ``decisions: token``; this key matters with ``sample``)
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
+      anderson_variant   fpscale (default: lambda relative to the Gram's mean diagonal, the mixing
+                         solved in float64, the mixed iterate returned) or attractor: jacobfa/Attractor's
+                         (attractor/models/attractor/solvers.py:38-122): lambda absolute, the mixing
+                         solved in float32, two plain steps before any mixing or stop test, the last
+                         f(z) returned (fpscale.solvers.anderson)
       agree              rank (default) | dp: in training, each data-parallel rank stops its solves on
                          its own micro-batch (every optimizer step waits for the slowest rank), or
                          the stop decision (quantile, stall, non-finite) is taken over the DP group's
@@ -46,10 +69,19 @@ class SolverConfig:
                          every iteration. With no stop rule that can fire (tol 0, no eta_min stop
                          within the cap) the solve reads once, at its end, whatever N
     Backward (docs/solver.md, "Backward modes"):
-      backward           implicit | phantom | jfb | unroll
+      backward           implicit | neumann1 | phantom | jfb | unroll. neumann1: the adjoint is one
+                         Neumann term, u = g + J^T g, with no masking, no damping and no tolerance
+                         (Attractor's ``onestep``, attractor.py:65-70)
       phantom_steps      k differentiable steps from z* for ``phantom`` (jfb is k = 1)
+      eval_output        step (default) | iterate: what a solve outputs with grad off. step: what the
+                         grad-mode forward outputs at the same iterate, whatever the grad mode (jfb:
+                         f(z*), phantom: f^k(z*), k = phantom_steps; implicit and unroll output z*
+                         in both modes). iterate: z* with grad off (k fewer applications of f per
+                         evaluation solve; a jfb/phantom model is then evaluated on a function the
+                         optimizer never saw: the behaviour before issue 36)
       backward_max_iter, backward_tol
                          stopping of the adjoint solve u = J^T u + g (implicit only)
+      backward_min_iter  min_iter of the adjoint solve (implicit only)
       backward_freeze    implicit: the selective update in the adjoint solve: an adjoint entry (token,
                          or fpsa's (token, head)) whose residual fell below backward_tol is frozen,
                          as the forward's ``freeze_converged`` freezes (seed 000, App. C.3). Off: the
@@ -61,6 +93,10 @@ class SolverConfig:
                          damped step as 4 Triton kernels (fpscale.solvers.fused) or as about 40
                          PyTorch ops. auto (default): fused on CUDA where Triton imports. Solves with
                          autograd through the loop (unroll's training solve) or Anderson stay torch
+      chunk              K > 0: run the iterations in chunks of K, every stop / freeze / damping decision a
+                         device mask, one host read per chunk, each chunk compiled as one graph where
+                         it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
+                         above (check_every, bookkeeping)
       compile            torch.compile the layer's iteration step (one application of f, with
                          dynamic=False); the iteration loop stays in Python, so a different
                          iteration count never recompiles. Off until measured on the target device
@@ -69,27 +105,33 @@ class SolverConfig:
     max_iter: int = 30
     eval_max_iter: int = 0
     tol: float = 1e-2
-    norm: Literal["inf", "l2"] = "inf"
+    norm: Literal["inf", "l2", "sample_l2"] = "inf"
+    min_iter: int = 0
     stop_quantile: float = 0.25
     damping: float = 1.0
     patience: int = 5
     decay: float = 0.7
     eta_min: float = 0.05
     stop_residual: Literal["current", "best"] = "current"
+    decisions: Literal["token", "sample"] = "token"
     freeze_converged: bool = False
     anderson: int = 0
     anderson_lambda: float = 1e-4
+    anderson_variant: Literal["fpscale", "attractor"] = "fpscale"
     eps: float = 1e-6
     check_every: int = 1
     agree: Literal["rank", "dp"] = "rank"
     backward: BackwardMode = "implicit"
     phantom_steps: int = 4
+    eval_output: Literal["step", "iterate"] = "step"
     backward_max_iter: int = 40
     backward_tol: float = 1e-4
+    backward_min_iter: int = 0
     backward_freeze: bool = False
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
+    chunk: int = 0
 
     def validate(self, prefix: str = "") -> None:
         def key(name: str) -> str:
@@ -108,6 +150,9 @@ class SolverConfig:
         check(0.0 < self.decay < 1.0, key("decay"), f"must lie in (0, 1), got {self.decay}")
         check(self.eta_min < self.damping, key("eta_min"),
               f"must be below damping ({self.damping}), got {self.eta_min}: the solver would stop at once")
+        check(self.decisions in ("token", "sample"), key("decisions"),
+              f"must be token (damping, patience and freezing per token: causal) or sample (per sample, "
+              f"the seeds' Algorithm 1: for non-causal maps), got {self.decisions!r}")
         check(self.anderson == 0 or self.anderson >= 2, key("anderson"),
               f"is the Anderson window: 0 (off) or >= 2, got {self.anderson}")
         check(self.check_every >= 1, key("check_every"),
@@ -117,6 +162,25 @@ class SolverConfig:
               f"must be auto, fused or torch, got {self.bookkeeping!r}")
         check(not (self.bookkeeping == "fused" and self.anderson), key("bookkeeping"),
               f"fused has no Anderson mixing (anderson = {self.anderson}): use auto or torch, or anderson 0")
+        for name in ("min_iter", "backward_min_iter"):
+            check(getattr(self, name) >= 0, key(name), f"must be >= 0, got {getattr(self, name)}")
+        check(self.anderson_variant in ("fpscale", "attractor"), key("anderson_variant"),
+              f"must be fpscale or attractor, got {self.anderson_variant!r}")
+        check(self.anderson_variant == "fpscale" or self.anderson >= 2, key("anderson_variant"),
+              f"attractor is an Anderson variant: set anderson to its window (>= 2, Attractor uses 5), "
+              f"got anderson = {self.anderson}")
+        check(self.decisions == "sample" or (self.norm != "sample_l2" and self.anderson_variant == "fpscale"),
+              key("decisions"), "norm sample_l2 and anderson_variant attractor decide per sample (Attractor's "
+              "solve has one residual, one beta and one Anderson system per sample): set decisions: sample")
+        check(not (self.bookkeeping == "fused" and self.norm == "sample_l2"), key("bookkeeping"),
+              "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
+              "PyTorch bookkeeping: use auto or torch")
+        check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
+        check(not (self.chunk and self.anderson), key("chunk"),
+              f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
+        check(self.eval_output in ("step", "iterate"), key("eval_output"),
+              f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
+              f"(the last iterate z*), got {self.eval_output!r}")
         check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
         check(self.backward_max_iter >= 1, key("backward_max_iter"),
               f"must be >= 1, got {self.backward_max_iter}")
@@ -125,6 +189,12 @@ class SolverConfig:
         """This config with one layer's ``solver`` overrides applied (validated; errors name ``key``)."""
         from fpscale.typed import from_dict, to_dict
         return from_dict(SolverConfig, {**to_dict(self), **overrides}, key)
+
+    @property
+    def output_steps(self) -> int:
+        """How many applications of f follow the solve in the grad-mode forward (jfb 1, phantom
+        ``phantom_steps``; implicit and unroll 0: their value is z*)."""
+        return {"jfb": 1, "phantom": self.phantom_steps}.get(self.backward, 0)
 
     @property
     def eval_iterations(self) -> int:

@@ -31,6 +31,9 @@ class Carry:
     token_res: torch.Tensor       # [B, T]
 
 
+NEVER = 2 ** 62      # ``IterateResult.retired_at`` of a last token that never retired
+
+
 @dataclass
 class IterateResult:
     z: torch.Tensor               # the last iterate, in the solver's state dtype
@@ -40,3 +43,4 @@ class IterateResult:
     token_converged: torch.Tensor  # [B, T] bool
     eta: torch.Tensor             # [B] damping per sample when the solve ended
     carry: Carry | None = None    # the state a next call goes on from (the PyTorch loops)
+    retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (per token)

@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 
 from fpscale.solvers.backward import attach_implicit, phantom
-from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, iterate, state_dtype
+from fpscale.solvers.chunked import run_loop
+from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
+from fpscale.solvers.iterate import Agree, Consensus, StateReduce, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
 
@@ -25,7 +26,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
           *, training: bool | None = None, consensus: Consensus | None = None,
           state_reduce: StateReduce | None = None, max_iter: int | None = None,
           real: torch.Tensor | None = None, iterate_free: bool = False,
-          agree: Agree | None = None) -> tuple[torch.Tensor, SolverStats]:
+          agree: Agree | None = None, min_iter: int = 0, prefix: torch.Tensor | None = None, group: int = 1,
+          on_final: Callable[[], None] | None = None) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
     training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
@@ -39,9 +41,20 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
                not real; its residual counts as 0, so it never holds a sample's solve up).
     agree      sums the stop decision's counts over the data-parallel group (``solver.agree: dp``):
                the forward and the adjoint solve stop as one process over the DP group's samples.
+    min_iter   no stop rule ends the solve before this many iterations (cached decoding: the new
+               token's solve covers the iterations its past's per-iteration caches recorded)
+    prefix     [B] long, per token: the iteration from which the tokens before z0's are all done
+               (cached decoding: the previous chunk's ``stats.retired_at``; the prefix rule)
+    group      entries of z per token (fpsa's heads, ``halting: head``): the unit of ``decisions: token``
+    on_final   called once the iteration loop ended, before f is applied to z* (the output step, or
+               the implicit backward's one application): cached decoding's f then reads the past's
+               final entries (fpscale.layers.step_cache)
     iterate_free  f never reads its iterate (a plain Mamba baseline: ``FPMambaSpec.iterate_free``):
                f(z0) is then the exact fixed point, and the solve is that one application, under
                grad when grad mode is on (``apply_once``), whatever the cap and the backward mode.
+    The output is the same function of the iterate in every grad mode (``config.eval_output: step``):
+    implicit and unroll give z*, jfb f(z*), phantom f^k(z*) (k = ``phantom_steps``), under grad
+    with the configured gradient, without grad as values.
     Returns (z, stats); z is in the solver's state dtype (float32 unless z0 is float64) and,
     with grad mode on, carries the gradient of ``config.backward``. The tolerances are raised to
     what the dtype f computes in can resolve (:mod:`fpscale.solvers.precision`).
@@ -61,24 +74,35 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     grad = torch.is_grad_enabled()
     cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
     # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
-    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward == "implicit", tf32_matmuls(z0)
-    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32) if implicit else cfg.backward_tol))
+    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward in IMPLICIT_MODES, tf32_matmuls(z0)
+    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
     if iterate_free:
         return apply_once(f, z0, cfg, cap, real)
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
-        result = iterate(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                         state_reduce=state_reduce, max_iter=cap, real=real, agree=agree)
+        result = run_loop(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
+                          state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
+                          min_iter=min(min_iter, cap), prefix=prefix, group=group)
     stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                         sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                        final_eta=result.eta, tol=cfg.tol)
+                        final_eta=result.eta, tol=cfg.tol, retired_at=result.retired_at)
     z = result.z
-    if not grad or unroll:
+    if unroll:
         return z, stats
+    if not grad:
+        # One forward value in every mode (DESIGN.md s3): what the grad-mode forward outputs at this
+        # iterate, f(z*) for jfb and f^k(z*) for phantom, unless ``eval_output: iterate``
+        steps = cfg.output_steps if cfg.eval_output == "step" else 0
+        if on_final is not None:
+            on_final()
+        with torch.no_grad():
+            return (phantom(f, z, steps) if steps else z), stats
+    if on_final is not None:
+        on_final()
     if implicit:
         return attach_implicit(f, z, cfg, stats, consensus, state_reduce, agree), stats
-    return phantom(f, z, 1 if cfg.backward == "jfb" else cfg.phantom_steps), stats
+    return phantom(f, z, cfg.output_steps), stats
 
 
 def apply_once(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, cap: int,

@@ -42,11 +42,12 @@ class SolverStats:
     stopped_by: str                 # one of STOP_REASONS
     sample_residual: torch.Tensor   # [B] final relative residual per sample (float32)
     token_converged: torch.Tensor   # [B, T] bool: token residual < tol at the end
-    final_eta: torch.Tensor         # [B] damping factor per sample when the solve ended
+    final_eta: torch.Tensor         # [B, T] per token ([B] per sample) damping when the solve ended
     tol: float                      # the tolerance applied (raised to the dtype's floor in bf16)
     backward_iterations: int | None = None   # adjoint iterations (implicit), set during backward
     backward_residual: torch.Tensor | float | None = None   # adjoint's largest residual (a device scalar)
     windows: int | None = None      # deep supervision: windows supervised before the final one
+    retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (decisions: token)
     window: int | None = None       # deep supervision: iterations per window
 
     @property

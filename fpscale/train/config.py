@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fpscale.errors import LayoutError, check
+from fpscale.train.optim_config import MuonConfig, check_groups
 
 
 @dataclass
@@ -16,8 +17,15 @@ class TrainConfig:
     micro-batch up to it that divides its share, and accumulates the rest, so one recipe runs on
     8 or 64 ranks unchanged. A set ``grad_accum`` fixes the split: the three must multiply out.
 
-    lr schedule: linear warm-up for ``warmup`` steps, then cosine to ``min_lr`` at ``steps``.
-    Weight decay skips 1-D parameters (norms, biases, scalars) and embeddings.
+    lr schedule (``schedule``): linear warm-up for ``warmup`` steps, then ``cosine`` to ``min_lr`` at
+    ``steps``, ``constant``, or ``wsd`` (stable at ``lr``, then the last ``decay_fraction`` of the steps
+    decay to ``min_lr``, ``decay_shape`` linear or 1-sqrt). ``optimizer``: ``adamw`` (torch's) or
+    ``muon_adamw`` (Muon for the blocks' weight matrices, ``muon`` its settings). Parameters fall in
+    groups by role (muon, matrix, other, embed, head, norm, scalar; fpscale/train/optimizers.py), each
+    with ``lr_scale.<group>`` x the scheduled lr, ``group_weight_decay.<group>`` (default: weight_decay
+    for matrices and other >= 2-D block weights, none for norms, biases, scalars and embeddings),
+    ``group_betas.<group>``; ``group_override: {layers.3: adamw-group}`` moves every parameter under
+    a name prefix to a group. docs/optimizers.md.
 
     ``eval_depths: [1, 4, 16]`` also validates once per depth, every looped layer capped at that
     many solver iterations (test-time compute): the val record gains ``depths`` and scalars
@@ -45,6 +53,15 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    optimizer: Literal["adamw", "muon_adamw"] = "adamw"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2           # wsd: the fraction of train.steps spent decaying to min_lr
+    decay_shape: Literal["linear", "1-sqrt"] = "linear"    # wsd's decay
+    lr_scale: dict[str, float] = field(default_factory=dict)              # group -> lr multiplier
+    group_weight_decay: dict[str, float] = field(default_factory=dict)    # group -> weight decay
+    group_betas: dict[str, list[float]] = field(default_factory=dict)     # AdamW group -> [beta1, beta2]
+    group_override: dict[str, str] = field(default_factory=dict)          # parameter-name prefix -> group
+    muon: MuonConfig = field(default_factory=MuonConfig)
     grad_clip: float = 1.0
     precision: Literal["fp32", "bf16"] = "fp32"
     log_interval: int = 10
@@ -64,6 +81,7 @@ class TrainConfig:
     loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=lambda: ["tensorboard"])  # + jsonl
     wandb_project: str = "fpscale"
     wandb_mode: Literal["auto", "offline", "online"] = "auto"   # auto: offline unless an API key is set
+    compile: Literal["none", "blocks", "full"] = "none"   # torch.compile (fpscale.parallel.compile, docs/solver.md)
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
@@ -98,7 +116,11 @@ class TrainConfig:
         check(self.keep_last >= 0, f"{prefix}.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         check(bool(self.resume), f"{prefix}.resume", "must be auto, none or a checkpoint folder")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
+        check(self.compile in ("none", "blocks", "full"), f"{prefix}.compile",
+              f"must be one of none, blocks, full, got {self.compile!r}")
         check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", f"lists a logger twice: {self.loggers}")
+        check(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check_groups(self, prefix)
 
 
 @dataclass(frozen=True)

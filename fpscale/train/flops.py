@@ -49,7 +49,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, layer_stats: list[dict | None
         its = stats["iterations"]
         if mode in ("unroll", "once"):
             back = 2 * per_iter * its
-        elif mode == "implicit":
+        elif mode in ("implicit", "neumann1"):
             back = 3 * per_iter + 2 * per_iter * stats.get("backward_iterations", 0)
         else:
             back = 3 * per_iter * (1 if mode == "jfb" else k)

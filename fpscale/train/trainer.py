@@ -21,6 +21,7 @@ from fpscale.log import get_logger
 from fpscale.models import build_model
 from fpscale.ops import kernels
 from fpscale.parallel import agree
+from fpscale.parallel.compile import apply_compile
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -33,10 +34,9 @@ from fpscale.train.deepspeed_config import deepspeed_config
 from fpscale.train.flops import peak_tflops, training_flops
 from fpscale.train.imbalance import dp_imbalance
 from fpscale.train.metrics import MetricsWriter, peak_memory_gib, perplexity, reset_peak_memory, summarize_layers
-from fpscale.train.optim import AdamW
+from fpscale.train.optimizers import apply_schedule, attach_layout, build_optimizer, param_groups  # noqa: F401
 from fpscale.train.precision import autocast, set_matmul_precision
 from fpscale.train.resume import plan_resume, resume
-from fpscale.train.schedule import lr_at
 from fpscale.train.signals import StepBoundary
 from fpscale.train.state import TrainState
 from fpscale.train.validation import depth_scalars, validate, validate_depths
@@ -74,19 +74,6 @@ def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
     except checkpoint.CheckpointError as exc:
         raise checkpoint.CheckpointError(f"train.init_weights: {exc}") from None
     return model
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; skip 1-D parameters (biases, scalars), embeddings, norms by name (the
-    looped core stacks its norm weights per block: 2-D, yet no matrix) and what a layer marks
-    ``_no_weight_decay`` (mamba_ssm's convention: FP-Mamba's A_log)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.dim() < 2 or "embed" in name or "norm" in name or getattr(p, "_no_weight_decay", False)
-        (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +163,7 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
+        apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
@@ -183,7 +171,10 @@ class Trainer:
         self.batches = DistributedBatches(self.train_ds, t.global_batch, self.batch.micro_batch, self.state.dp_rank,
                                           self.state.dp_size, seed=cfg.seed)
         self.progress = TrainState(self.batches, rng)
-        optimizer = AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        optimizer, groups = build_optimizer(self.model, cfg, self.state.tp_group)
+        if self.state.is_main and log:
+            for line in groups:
+                logger.info(line)
         self.run_dir = os.path.join(t.out_dir, cfg.name)
         plan = plan_resume(cfg, self.state, self.run_dir, self.model, self.progress)
         self.engine = None
@@ -193,13 +184,18 @@ class Trainer:
                 # the tied embedding is read again by the output projection, outside its module
                 deepspeed.zero.register_external_parameter(self.model, self.model.embed.weight)
             universal = plan is not None and plan.universal
+            inner = optimizer
             self.engine, optimizer, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer,
                 config={**deepspeed_config(cfg, self.batch, universal), **(deepspeed_overrides or {})},
                 mpu=self.state if self.state.tp_size > 1 else None)
+            attach_layout(optimizer, inner)          # Muon: where its matrices lie in ZeRO's partitions
         self.optimizer = optimizer
         if plan is not None:
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             resume(plan, cfg, self.state, self.model, self.optimizer, self.engine, self.progress)
+            for group, mine in zip(self.optimizer.param_groups, settings):
+                group.update(mine)          # this run's lr_scale, decay, betas, Muon settings, not the saved ones
         self.preempted = False
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,
@@ -245,9 +241,7 @@ class Trainer:
         model = self.model
         model.train()
         model.set_step(self.progress.step)
-        lr = lr_at(self.progress.step, t.lr, t.min_lr, t.warmup, t.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = apply_schedule(self.optimizer.param_groups, self.progress.step, t)
         micro_batches = self.batches.next_global_batch()
         # cross-entropy and the auxiliary losses (epsilon's KL), summed on the device
         total = torch.zeros(2, dtype=torch.float64, device=self.device)

@@ -104,3 +104,33 @@ def test_next_token_tasks_unchanged():
     assert (x == s[:-1]).all() and (y == s[1:]).all()
     assert len(list(itertools.islice(iter(task.batch([0, 1])), 2))) == 2
     assert task.fingerprint() == "synthetic:periodic:v16:p3"      # checkpoints of earlier runs still resume
+
+
+def test_the_authors_conventions_start_token_short_words_and_scored_specials():
+    """start_token puts BOS = |G| in front (target BOS when score_specials, else -100);
+    short_fraction makes that share of words length 2, padded with PAD = |G| + 1; the word itself
+    (its first 2 elements for a short one) and its prefix products are those of the plain task."""
+    from fpscale.data.synthetic import IGNORE, authors_short_fraction
+    plain = SyntheticTask("s3", 6, 8, seed=4)
+    task = SyntheticTask("s3", 8, 8, seed=4, start_token=True, short_fraction=0.3, score_specials=True)
+    quiet = SyntheticTask("s3", 8, 8, seed=4, start_token=True, short_fraction=0.3)
+    short = 0
+    for i in range(200):
+        word, target = plain.example(i)
+        x, y = task.example(i)
+        xq, yq = quiet.example(i)
+        assert len(x) == len(y) == 9 and x[0] == 6 and y[0] == 6 and yq[0] == IGNORE
+        assert (x == xq).all() and (y[1:3] == yq[1:3]).all()
+        assert (x[1:3] == word[:2]).all() and (y[1:3] == target[:2]).all()
+        if x[3] == 7:                    # a short word: PAD from position 2 of the word on
+            short += 1
+            assert (x[3:] == 7).all() and (y[3:] == 7).all() and (yq[3:] == IGNORE).all()
+        else:
+            assert (x[1:] == word).all() and (y[1:] == target).all() and (yq[1:] == target).all()
+    assert 40 <= short <= 80             # 0.3 of 200 (binomial sd 6.5)
+    assert task.fingerprint() != quiet.fingerprint() != plain.fingerprint()
+    assert authors_short_fraction("s3") == pytest.approx(36 / (36 + 12.8e6))
+    with pytest.raises(Exception, match="vocab_size 7 is too small"):
+        SyntheticTask("s3", 7, 8, seed=0, start_token=True, short_fraction=0.1)
+    with pytest.raises(Exception, match="options of the group tasks"):
+        SyntheticTask("copy_sep", 8, 8, seed=0, start_token=True)

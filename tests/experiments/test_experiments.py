@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "stability", "induction",
-               "copy_task", "length_generalisation", "trainability", "sudoku", "classify"]
+EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_authors", "state_tracking_rerun",
+               "stability", "induction", "copy_task", "length_generalisation", "trainability", "sudoku", "classify",
+               "optimizers", "attractor"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

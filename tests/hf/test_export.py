@@ -19,7 +19,7 @@ from fpscale.typed import to_dict
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = ["tiny_attn", "tiny_fpsa", "tiny_fpmamba", "tiny_looped", "tiny_mixed", "tiny_epsilon",
-           "tiny_mixed_epsilon"]
+           "tiny_mixed_epsilon", "tiny_attractor"]
 TEXTS = ["Fellow-Citizens of the Senate and House of Representatives: the state of the Union is strong. ",
          "def parse(text: str) -> list[int]:\n    return [int(t) for t in text.split()]  # 12345 ",
          "  Two  spaces, tabs\tand\nnewlines; unicode: é ☃ 東京. ", "The year 1790 saw 13 states and 3 bills. "]

@@ -59,12 +59,14 @@ def test_one_window_spanning_the_solve_is_todays_training_step(backward):
         torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
 
 
-def test_the_windows_forward_is_the_plain_solve():
+@pytest.mark.parametrize("decisions", ["sample", "token"])
+def test_the_windows_forward_is_the_plain_solve(decisions):
     """Algorithm 1's state (damping, patience, best residual) goes on from window to window: with a core
     scaled until its iteration stagnates, windows of 3 take the plain solve's iterations, dampings and
-    eta_min stop, and the final window's loss is the plain training loss."""
+    stop (per sample the eta_min stop; per token, where each token retires on its own, the cap), and
+    the final window's loss is the plain training loss."""
     tokens, targets = batch()
-    solver = {"max_iter": 40}
+    solver = {"max_iter": 40, "decisions": decisions}
     models = []
     for window in (0, 3):
         models.append(build(window, solver=solver))
@@ -76,7 +78,8 @@ def test_the_windows_forward_is_the_plain_solve():
     ref = plain.solver_stats()["layers.1.looped"]
     model(tokens, targets=targets)
     stats = model.solver_stats()["layers.1.looped"]
-    assert (stats.iterations, stats.stopped_by) == (ref.iterations, "eta_min") and 9 < ref.iterations < 40
+    stop = "eta_min" if decisions == "sample" else ref.stopped_by
+    assert (stats.iterations, stats.stopped_by) == (ref.iterations, stop) and 9 < ref.iterations <= 40
     assert stats.windows == (ref.iterations - 1) // 3 == model.last_losses["windows"]
     torch.testing.assert_close(model.last_losses["ce"], ref_loss, rtol=0, atol=0)
     torch.testing.assert_close(stats.final_eta, ref.final_eta, rtol=0, atol=0)

@@ -190,7 +190,7 @@ def test_flops_match_torch_flop_counter(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
 
     import fpscale.layers.fpmamba2 as fpm2
-    from fpscale.layers.fpmamba import scan_flops
+    from fpscale.layers.fpmamba_map import scan_flops
     from tests.models.helpers import tiny_config
 
     def elementwise(x, dt, A, B, C, h0=None):

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpscale.layers.fpmamba import AUTHORS_SOLVER, DEFAULTS, PRESETS, FPMambaMixer
+from fpscale.layers.fpmamba import AUTHORS_SOLVER, DEFAULTS, PRESETS
+from fpscale.layers.fpmamba_map import FPMambaMixer
 from fpscale.layers.mixers import _normalized_psd, kronecker_factors
 from fpscale.models import layer_spec
 from fpscale.solvers import SolverConfig
@@ -260,7 +261,7 @@ def test_authors_lm_output_is_layernormed_and_y_reaches_b_c_not_delta(monkeypatc
         seen.append((delta, Bm, Cm))
         return real_scan(x_t, delta, A, Bm, Cm, h0)
 
-    import fpscale.layers.fpmamba as fpm
+    import fpscale.layers.fpmamba_map as fpm  # the map calls the scan
     real_scan = fpm.scan
     monkeypatch.setattr(fpm, "scan", spy)
     with torch.no_grad():
@@ -292,9 +293,10 @@ def residual_history_step(histories):
 def test_authors_lm_stops_where_the_best_so_far_rule_says():
     """Two samples whose residuals dip below tol 0.1 at different iterations: the preset's
     best-so-far rule stops at the iteration where both have dipped (4); the current-residual rule
-    waits until both are below tol together (7)."""
+    waits until both are below tol together (7). Per sample (``decisions: sample``): per token a
+    token that dipped retires, its residual kept, so there the current rule stops at 4 too."""
     spec = layer_spec("fpmamba", preset="authors_lm")
-    cfg = SolverConfig().with_overrides(spec.solver, "solver")
+    cfg = SolverConfig().with_overrides({**spec.solver, "decisions": "sample"}, "solver")
     assert cfg.stop_residual == "best"
     hist = [[1.0, 0.5, 0.05, 0.5, 0.4, 0.3, 0.05, 0.05, 0.05, 0.05],
             [1.0, 0.5, 0.4, 0.05, 0.5, 0.4, 0.05, 0.05, 0.05, 0.05]]
@@ -304,6 +306,9 @@ def test_authors_lm_stops_where_the_best_so_far_rule_says():
                       quantile=0.0)
     assert (best.iterations, best.stopped_by) == (4, "converged")
     assert (current.iterations, current.stopped_by) == (7, "converged")
+    per_token = iterate(residual_history_step(hist), z0, cfg.with_overrides({"stop_residual": "current",
+                                                                             "decisions": "token"}, "s"), quantile=0.0)
+    assert (per_token.iterations, per_token.stopped_by) == (4, "converged")
 
 
 @pytest.mark.parametrize("preset", ["authors_lm", "authors_state_tracking"])
@@ -331,13 +336,13 @@ def test_the_adjoint_solve_tests_its_current_residual(monkeypatch):
     import fpscale.solvers.backward as backward
     from fpscale.solvers import solve
     seen = []
-    real_iterate = backward.iterate
+    real_iterate = backward.run_loop
 
     def spy(step, z0, cfg, **kw):
         seen.append(cfg.stop_residual)
         return real_iterate(step, z0, cfg, **kw)
 
-    monkeypatch.setattr(backward, "iterate", spy)
+    monkeypatch.setattr(backward, "run_loop", spy)
     W = torch.randn(4, 4, dtype=torch.float64) * 0.2
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     cfg = SolverConfig(tol=1e-8, max_iter=100, stop_residual="best", backward="implicit", backward_tol=1e-10)

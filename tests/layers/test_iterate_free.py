@@ -97,8 +97,8 @@ def test_one_application_per_forward(training):
         assert [s.iterations for s in stats.values()] == [1, 1]
         assert all(s.stopped_by == "converged" and s.to_dict()["residual_max"] == 0.0 for s in stats.values())
         force_iterating(model)
-        # before: a no-grad pass, then (training) the jfb step
-        assert applications(run) == (4 if training else 2)
+        # before: a no-grad pass, then the jfb step (issue 36: in evaluation too, the trained function)
+        assert applications(run) == 4
 
 
 def test_same_loss_and_gradients_as_the_iterating_path():
@@ -131,8 +131,8 @@ def test_evaluation_depth_and_cached_decoding():
         with model.eval_depth(16):
             assert applications(lambda: torch.equal(model(batch), ref) or pytest.fail("depth 16 differs")) == 2
             assert all(s.iterations == 1 and s.max_iter == 16 for s in model.solver_stats().values())
-            force_iterating(model)           # before: a second pass to find the residual was 0
-            assert applications(lambda: model(batch)) == 4
+            force_iterating(model)           # before: a second pass to find the residual was 0, then
+            assert applications(lambda: model(batch)) == 6      # the jfb step (issue 36: in evaluation too)
             force_iterating(model, False)
     cached = fpscale.generate(model, batch[:, :6], 6, use_cache=True, return_logits=True)
     plain = fpscale.generate(model, batch[:, :6], 6, use_cache=False, return_logits=True)

@@ -2,8 +2,7 @@
 dispatch state the layers use (stand-in kernels here; on CPU: SDPA and the PyTorch scan)."""
 import pytest
 
-from fpscale.layers import common
-from fpscale.ops import kernel_plan, kernels, scan_kernels
+from fpscale.ops import attention, kernel_plan, kernels, scan_kernels
 
 SENTINEL = object()
 
@@ -12,8 +11,8 @@ SENTINEL = object()
 def installed(monkeypatch):
     """Set which optional kernels import: installed(flash=True, mamba=False, triton=True)."""
     def set_(flash=False, mamba=False, triton=False, broken=None):
-        monkeypatch.setattr(common, "FLASH_ATTN", SENTINEL if flash else None)
-        monkeypatch.setattr(common, "FLASH_ATTN_ERROR", broken)
+        monkeypatch.setattr(attention, "FLASH_ATTN", SENTINEL if flash else None)
+        monkeypatch.setattr(attention, "FLASH_ATTN_ERROR", broken)
         monkeypatch.setattr(scan_kernels, "MAMBA_SCAN", SENTINEL if mamba else None)
         monkeypatch.setattr(scan_kernels, "MAMBA_SCAN_ERROR", None)
         monkeypatch.setattr(scan_kernels, "TRITON_SCAN", SENTINEL if triton else None)

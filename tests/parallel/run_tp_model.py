@@ -64,12 +64,28 @@ CASES = {
     "looped-deep-supervision-implicit": [
         "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
         "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "attn-relu2-value-embed": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, value_embed: true}, {type: attn}]"],
+    "attractor-neumann1": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true, init: scaled_zero_ortho},"
+        " {type: attractor, head_blocks: 2,"
+        " solver: {anderson: 5, anderson_variant: attractor, norm: sample_l2, decisions: sample, patience: 0,"
+        " min_iter: 4,"
+        " backward: neumann1, mask_unconverged: false, tol: 1e-4}}]"],
+    "attractor-anderson-adjoint": [
+        "model.layers=[{type: attn, mlp: relu2, qk_norm: true}, {type: attractor, head_blocks: 2, mlp: swiglu,"
+        " solver: {anderson: 5, anderson_variant: attractor, norm: sample_l2, decisions: sample, patience: 0,"
+        " min_iter: 4,"
+        " backward: implicit, backward_min_iter: 3, backward_tol: 1e-4, mask_unconverged: false, tol: 1e-4}}]"],
     "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",
                      "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
                        "model.layers.0.max_steps=3"],
 }
-TOL = dict(rtol=1e-9, atol=1e-12)     # float64; observed <= 3e-11 (other summation order)
+# float64; observed <= 3e-11 (other summation order). atol was 1e-12: with per-token retirement
+# (solver.decisions: token, issue 36) fpmamba-authors-lm-jfb's embedding gradient differs by 1.06e-11
+# where the gradients reach 0.1 (per sample it stays within 1e-12); every other case as before
+TOL = dict(rtol=1e-9, atol=3e-11)
 
 
 def check_case(name, overrides, state, tokens, targets):

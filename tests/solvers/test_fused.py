@@ -34,7 +34,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="a kernel test: run under TRITON_INTERPRET=1 by "
                                                          "test_the_fused_bookkeeping_under_the_interpreter")
 # every tiny config with a fixed-point solve (tiny_attn has none; tiny_epsilon halts by its own rule)
-TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml") if p.stem not in ("tiny_attn", "tiny_epsilon"))
+# (tiny_attractor: Anderson mixing and the whole-sample residual, which the fused bookkeeping does not run)
+TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml")
+              if p.stem not in ("tiny_attn", "tiny_epsilon", "tiny_attractor"))
 # tiny_fpsa judged per (token, head) (its state [B, T * H, d_h]), freezing in the adjoint too
 VARIANTS = {"tiny_fpsa_heads": ("tiny_fpsa", ["model.layers.1.halting=head", "solver.backward_freeze=true"])}
 
@@ -116,19 +118,43 @@ CASES = {
     "check_every 3": dict(tol=1e-4, check_every=3),
     "check_every 4 freeze": dict(tol=1e-3, check_every=4, freeze_converged=True),
     "best so far": dict(tol=1e-4, stop_residual="best", damping=0.9, patience=2, decay=0.8),
+    "min_iter": dict(tol=1e-2, min_iter=15),                           # issue 38: holds a stop that could fire
+    "min_iter check_every 4": dict(tol=1e-2, min_iter=9, check_every=4),
 }
 
 
 @interpreted
+@pytest.mark.parametrize("decisions", ["token", "sample"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_fused_equals_the_pytorch_loop(case, dtype):
-    cfg = SolverConfig(**{"max_iter": 40, **CASES[case]})
+def test_kernel_fused_equals_the_pytorch_loop(case, dtype, decisions):
+    """Per token (the causal default: damping, patience and retirement per token) and per sample."""
+    cfg = SolverConfig(**{"max_iter": 40, "decisions": decisions, **CASES[case]})
     a, b = both(cfg, dtype, quantile=0.25 if case == "quantile" else 0.0)
     assert_same(a, b)
+    if decisions == "token":
+        assert torch.equal(a.retired_at, b.retired_at)
     expected = {"quantile": "quantile", "cap": "max_iter", "eta_min stall": "eta_min",
                 "tol 0 (one read)": "max_iter"}.get(case, "converged")
     assert a.stopped_by == expected, a.stopped_by
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["converged", "eta_min stall", "patience decays", "check_every 3"])
+def test_kernel_the_prefix_rule_and_a_past_prefix_as_the_pytorch_loop(case):
+    """Per token, with the tokens before the chunk done from iteration ``prefix`` (cached decoding):
+    the same iterates, retirements (``retired_at``, the last token's) and damping as the PyTorch loop."""
+    from fpscale.solvers.loop_state import NEVER
+    cfg = SolverConfig(**{"max_iter": 40, **CASES[case]})
+    prefix = torch.tensor([0, 5, NEVER, 2])
+    out = []
+    for mode in ("torch", "fused"):
+        f, z0 = contraction(torch.float64)
+        with torch.no_grad():
+            out.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=0.0, prefix=prefix))
+    assert_same(*out)
+    assert torch.equal(out[0].retired_at, out[1].retired_at), (out[0].retired_at, out[1].retired_at)
+    assert int(out[0].retired_at[2]) == NEVER          # a past that never finished holds every token
 
 
 @interpreted
@@ -220,8 +246,9 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
 
 @interpreted
 def test_kernel_four_kernels_and_one_read_per_iteration():
-    """Beside f, an iteration is the 4 kernels and the new iterate's allocation; the eager schedule reads
-    once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40 aten ops."""
+    """Beside f, an iteration is the 4 kernels (5 per token, the default) and the new iterate's allocation; the
+    eager schedule reads once per iteration, tol 0 once per solve; the PyTorch loop's bookkeeping is about 40
+    aten ops."""
     per_iteration = {}
     for mode in ("torch", "fused"):
         counts = []

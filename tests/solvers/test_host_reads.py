@@ -21,6 +21,9 @@ from tests.models.helpers import tiny_model, token_batches
 
 KINDS = ["fpsa", "fpmamba", "looped"]
 LIVE = {"tol": 2e-2, "stop_quantile": 0.25, "max_iter": 16, "backward_tol": 1e-3, "backward_max_iter": 20}
+# the seeds' per-sample rule without freezing: a solve stopped at K is then a tol-0 solve capped at K
+# (per token, the default, converged tokens retire, and a tol-0 solve retires none)
+SAMPLE = {"decisions": "sample"}
 FIXED = {"tol": 0.0, "max_iter": 8, "backward_tol": 0.0, "backward_max_iter": 8}
 
 
@@ -106,8 +109,8 @@ def test_check_every_forward_equals_a_fixed_depth_of_its_iteration_count(kind, a
         (stats,) = model.solver_stats().values()
         return out, stats.iterations
 
-    out, k = run({**LIVE, "check_every": 3})
-    fixed, k_fixed = run({**LIVE, "tol": 0.0, "max_iter": k})
+    out, k = run({**LIVE, **SAMPLE, "check_every": 3})
+    fixed, k_fixed = run({**LIVE, **SAMPLE, "tol": 0.0, "max_iter": k})
     assert k % 3 == 0 and k_fixed == k and torch.equal(out, fixed)
 
 
@@ -129,7 +132,7 @@ def force_eager(monkeypatch):
     monkeypatch.setattr(iterate_module, "read_schedule", lambda cfg, cap: 1)
 
 
-@pytest.mark.parametrize("freeze", [False, True])
+@pytest.mark.parametrize("freeze", [False, True, "token"])
 @pytest.mark.parametrize("anderson", [0, 3])
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -138,10 +141,15 @@ def test_check_every_iterates_are_the_eager_ones(dtype, n, anderson, freeze, mon
     """Up to the eager stop the iterates are the eager solve's; after it, check_every runs at
     most n - 1 further iterations (to the next multiple of n) and reports them. Without freezing
     its result equals a tol-0 solve capped at that count, by the no-read path and by the eager
-    loop alike."""
+    loop alike. ``freeze`` "token": the per-token rule (``decisions: token``, which retires converged
+    tokens), whose deferred reads take the same iterates as its eager loop."""
     tol = 1e-5 if dtype == torch.float64 else 1e-4
-    base = dict(max_iter=60, tol=tol, stop_quantile=0.25, damping=0.9, patience=2, decay=0.8,
-                eta_min=1e-4, anderson=anderson, freeze_converged=freeze)
+    # (per token under Anderson mixing each token's residual zigzags, and patience 2 decays its
+    # damping until the hardest sample stalls: this map hits the cap at 60, per sample 24 iterations)
+    patience = 0 if freeze == "token" and anderson else 2
+    base = dict(max_iter=60, tol=tol, stop_quantile=0.25, damping=0.9, patience=patience, decay=0.8,
+                eta_min=1e-4, anderson=anderson, freeze_converged=freeze is True,
+                decisions="token" if freeze == "token" else "sample")
     f, z0, seen = contraction(dtype)
     z_eager, eager = solve(f, z0, SolverConfig(**base), training=True)
     eager_seen = list(seen)

@@ -177,10 +177,17 @@ def test_freezing_keeps_frozen_tokens_bit_identical():
         k = next(i for i, r in enumerate(res) if r < 1e-4)   # the step at which token t converged
         for later in states[k + 1:]:                         # frozen from z_{k+1} on
             assert torch.equal(later[0, t], states[k + 1][0, t])
-    # without freezing, the fast token keeps moving (the assertion above can fail)
+    # per token (the default ``decisions``) a converged token retires the same way
     iterates.clear()
     with torch.no_grad():
-        solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4, patience=0))
+        z_token, _ = solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4,
+                                                                                   patience=0))
+    assert torch.equal(z_token, z)
+    # without freezing (per sample, freeze_converged off), the fast token keeps moving (the assertion above can fail)
+    iterates.clear()
+    with torch.no_grad():
+        solve(f, torch.zeros(1, 4, 3, dtype=torch.float64), SolverConfig(max_iter=500, tol=1e-4, patience=0,
+                                                                         decisions="sample"))
     assert not torch.equal(iterates[-1][0, 0], iterates[-2][0, 0])
 
 

@@ -11,7 +11,8 @@ COUNTED = [("attn", {}), ("fpsa", {}), ("looped", {}), ("looped", {"core_blocks"
            ("fpmamba", {}), ("fpmamba", {"mixer": "dplr", "y_feedback": False}), ("fpmamba", {"mixer": "kronecker"}),
            ("fpmamba", {"mixer": "none", "mlp": True}), ("damped_mlp", {}),
            ("fpmamba", {"preset": "authors_state_tracking", "mixer": "kronecker"}),
-           ("fpmamba", {"preset": "authors_lm"})]
+           ("fpmamba", {"preset": "authors_lm"}), ("attn", {"mlp": "relu2", "qk_norm": True, "value_embed": True}),
+           ("attractor", {}), ("attractor", {"head_blocks": 2, "mlp": "swiglu"})]
 
 
 @pytest.mark.parametrize("kind,spec", COUNTED, ids=[f"{k}-{'-'.join(map(str, s.values()))}" for k, s in COUNTED])
@@ -24,13 +25,15 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     from torch.utils.flop_counter import FlopCounterMode
 
     from fpscale.layers.common import attention_score_flops
-    from fpscale.layers.fpmamba import scan_flops, scan_read_flops
+    from fpscale.layers.fpmamba_map import scan_flops, scan_read_flops
     from tests.layers import damped_mlp  # noqa: F401  (registers the type)
     from tests.models.helpers import tiny_config
 
     B, T, d, k = 2, 32, 64, 3
     cfg = tiny_config(kind, d=d, solver={"tol": 0.0, "max_iter": k, "eval_max_iter": k, "anderson": 0}, **spec)
     model = fpscale.build_model(cfg).eval()
+    for m in model.token_readers:             # value embeddings read the token ids (LoopedLM.hidden sets them)
+        m.tokens = torch.zeros(B, T, dtype=torch.long)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.layers[0](torch.randn(B, T, d))
     ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
@@ -41,7 +44,8 @@ def test_layer_flops_match_torch_flop_counter(kind, spec):
     if kind != "attn":
         assert [s.iterations for s in model.solver_stats().values()] == [k]
     declared = static + per_iter * iterations if per_iter else static
-    score_passes = {"attn": 1, "fpsa": k, "looped": k * getattr(layer, "core_blocks", 0)}.get(kind, 0)
+    score_passes = {"attn": 1, "fpsa": k, "looped": k * getattr(layer, "core_blocks", 0),
+                    "attractor": k * getattr(layer, "head_blocks", 0)}.get(kind, 0)
     not_counted = score_passes * attention_score_flops(d, T)
     if kind == "fpmamba":
         di = layer.expand * d

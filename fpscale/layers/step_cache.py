@@ -1,0 +1,108 @@
+"""Per-iteration decoding caches of a fixed-point layer: cached decoding repeats the full forward.
+
+In the full forward, iteration j of token t reads the iterate z^j of every earlier token (its keys,
+its scan state), not their fixed point. A cache of the converged past alone gives token t another
+trajectory, equal to the full forward's only once both converged (within the tolerance), and not at
+all where the solve stops at its cap. So each looped layer caches, per past token, what its map
+reads of that token at every iteration j (``iters``: fpsa's keys, the looped core's K/V per
+sublayer, fpmamba's y and scan state after it) and at the applications after the solve
+(``finals``: the output step of jfb/phantom, ``SolverConfig.eval_output``), and the new token's
+f reads entry j at its iteration j. With ``solver.decisions: token`` (the default) token t's own
+damping and patience follow its own residual, and it retires once every token up to it is done: the
+cache keeps ``prefix`` [B], the iteration from which every past token is done (the last past token's
+retirement), which the new tokens' prefix rule reads. So the new token's trajectory is the full
+forward's, and past the iteration where a token retired its entries stop changing: an entry list
+ends with the final one, read for every later index.
+
+Index bookkeeping: f's calls in a solve are the loop's K (inputs z^0 .. z^{K-1}) and, after
+``on_final``, the applications to z^K (the output step; with none, the layer applies f to z* once
+to record it). ``iters`` holds K + 1 entries, z^0 .. z^K; ``finals`` the inputs of the output
+steps. The new token's solve runs at least as many iterations as the past recorded (``min_iter``):
+an entry that depends on earlier tokens (a scan state, the core's deeper sublayers) is complete
+only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorders dim 0).
+
+Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def replace(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A state that the new tokens supersede (the scan state and y after the last token)."""
+    return new
+
+
+def along(dim: int) -> Combine:
+    """Entries that grow by the new tokens along ``dim`` of the per-entry tensor (keys, values)."""
+    return lambda past, new: torch.cat([past, new], dim + 1)       # +1: the entry axis
+
+
+def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` [B, J, ...] to [B, n, ...], repeating its last entry (the entries past the last are equal)."""
+    if t.shape[1] >= n:
+        return t
+    return torch.cat([t, t[:, -1:].expand(-1, n - t.shape[1], *t.shape[2:])], 1)
+
+
+class StepCache:
+    """One forward's view of a layer's per-iteration cache ``cache[key]`` (None: no cache)."""
+
+    def __init__(self, cache: dict | None, key: str = "steps"):
+        past = cache.get(key) if cache is not None else None
+        self.past_iters: dict | None = past["iters"] if past else None
+        self.past_finals: dict | None = past["finals"] if past else None
+        # per token (solver.decisions: token): the iteration from which every past token is done
+        self.prefix: torch.Tensor | None = past.get("prefix") if past else None
+        self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
+        self.final = False
+        self.iters: list[dict] = []
+        self.finals: list[dict] = []
+
+    @property
+    def min_iter(self) -> int:
+        """Iterations the new tokens' solve must cover: as many as the past recorded (z^0 .. z^{J-1})."""
+        if not self.past_iters:
+            return 0
+        return next(iter(self.past_iters.values())).shape[1] - 1
+
+    def on_final(self) -> None:
+        """The loop ended: f's next calls are the applications after the solve."""
+        self.final = True
+
+    def past(self, name: str) -> torch.Tensor | None:
+        """What f reads of the past tokens at this call: the iteration's entry, or the final ones."""
+        src, index = (self.past_finals, len(self.finals)) if self.final else (self.past_iters, len(self.iters))
+        if src is None:
+            return None
+        t = src[name]
+        return t[:, min(index, t.shape[1] - 1)]
+
+    def record(self, **entries: torch.Tensor) -> None:
+        """What this call's f computed of the new tokens (after reading ``past``)."""
+        (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
+
+    def store(self, cache: dict, combine: dict[str, Combine], key: str = "steps") -> None:
+        """Merge the new tokens' entries into ``cache[key]`` (call after at least one final entry)."""
+        if not self.finals:
+            raise RuntimeError("StepCache.store: no final entry recorded (apply f to z* after on_final)")
+        new_iters = {n: torch.stack([e[n] for e in self.iters + self.finals[:1]], 1) for n in combine}
+        new_finals = {n: torch.stack([e[n] for e in self.finals], 1) for n in combine}
+        if self.past_iters is not None:
+            new_iters = _merge(self.past_iters, new_iters, combine)
+            new_finals = _merge(self.past_finals, new_finals, combine)
+        cache[key] = {"iters": new_iters, "finals": new_finals}
+        if self.retired_at is not None:
+            cache[key]["prefix"] = self.retired_at
+
+
+def _merge(past: dict, new: dict, combine: dict[str, Combine]) -> dict:
+    out = {}
+    for name, how in combine.items():
+        n = max(past[name].shape[1], new[name].shape[1])
+        out[name] = how(_pad(past[name], n), _pad(new[name], n))
+    return out

@@ -1,0 +1,114 @@
+"""``train.compile``: torch.compile applied to a built (and parallelized) model, in place.
+
+    none     (default) eager
+    blocks   regional compilation (torchtitan's ``apply_compile``: each block on its own, so one
+             compiled graph serves every copy of a block type and the compile time does not grow with
+             the depth): every block declares its plain regions (``compile_regions()``, the way it
+             declares ``tp_plan()``):
+               attn                 the whole block (attention, MLP, norms, dropout, checkpointing)
+               fpsa, fpmamba(2)     the MLP sublayer after the solve (``mlp_sublayer``); the solve
+                                    itself is the solver's (``solver.compile`` compiles its step,
+                                    ``solver.chunk`` its iterations: docs/solver.md)
+               looped, epsilon      nothing: every sublayer lies inside the solve / halting loop
+             each region compiled with ``fullgraph=True`` (a graph break is an error, not a slow
+             path). A region that cannot compile (a graph break, a backend failure) is named once in
+             a warning and runs eager from then on; a call with a decoding cache or a position
+             other than 0 (generation) runs eager too (its shapes change every token)
+    full     the whole model's forward (``LoopedLM.forward``) as one ``torch.compile`` without
+             ``fullgraph``: it breaks the graph where the solver reads its stop decision on the
+             host (one break per read per solve: bench/compile_counts.py counts them) and the
+             regions between compile. Kept for measurement; ``blocks`` is the mode to train with
+
+Applied by the trainer after ``parallelize`` and before DeepSpeed wraps the model, so the compiled
+code sees this rank's shards and the TP collectives (the autograd functions of
+fpscale.parallel.mappings). Activation checkpointing (fpscale.layers.checkpointing) lies inside a
+compiled block: torch.compile traces ``torch.utils.checkpoint`` as a higher-order op and recomputes
+in the compiled backward. ZeRO-3's parameter hooks are ``torch.compiler.disable`` in DeepSpeed
+(deepspeed/runtime/zero/parameter_offload.py): a block whose submodules carry them cannot trace as
+one graph, so under ``parallel.zero_stage: 3`` every region says so and runs eager.
+
+Parameters and their names are untouched (the compiled function is an instance attribute that
+shadows the method): checkpoints, the registry and ZeRO see the same module tree.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Callable
+
+import torch
+
+from fpscale.errors import check
+
+COMPILE_MODES = ("none", "blocks", "full")
+logger = logging.getLogger("fpscale")
+
+
+def check_mode(value, key: str = "train.compile") -> None:
+    check(value in COMPILE_MODES, key, f"must be one of {', '.join(COMPILE_MODES)}, got {value!r}")
+
+
+class CompiledRegion:
+    """A block's method compiled with ``fullgraph=True``; eager once it failed to compile (said once),
+    and for calls that decode (a cache given, or a position other than 0)."""
+
+    def __init__(self, eager: Callable, label: str, backend: str = "inductor"):
+        self.eager, self.label = eager, label
+        self.compiled = torch.compile(eager, fullgraph=True, backend=backend)
+        self.failed: str | None = None
+        functools.update_wrapper(self, eager)
+
+    def __call__(self, *args, **kwargs):
+        if self.failed is not None or _decoding(args, kwargs) or torch.compiler.is_compiling():
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"train.compile = blocks: {self.label} does not compile ({self.failed}); it runs eager",
+                          stacklevel=2)
+            return self.eager(*args, **kwargs)
+
+
+def _decoding(args, kwargs) -> bool:
+    """A block's forward(x, pos, cache, pad) called to decode: a cache, or a position past 0."""
+    pos = kwargs.get("pos", args[1] if len(args) > 1 else 0)
+    cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
+    return cache is not None or (isinstance(pos, int) and pos != 0)
+
+
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> list[str]:
+    """Compile every plain region of ``model.layers`` in place; returns the regions compiled
+    (``layers.0.forward``, ``layers.1.mlp_sublayer``, ...). ``backend``: torch.compile's (tests that
+    count graph breaks use aot_eager, which traces forward and backward without Inductor's build)."""
+    done = []
+    layers: torch.nn.ModuleList = model.layers       # type: ignore[assignment]
+    for i, block in enumerate(layers):
+        declared = getattr(block, "compile_regions", None)
+        regions: tuple[str, ...] = declared() if callable(declared) else ()
+        for name in regions:
+            label = f"model.layers[{i}] ({type(block).__name__}).{name}"
+            method = getattr(block, name)
+            if isinstance(method, CompiledRegion):
+                continue
+            setattr(block, name, CompiledRegion(method, label, backend))
+            done.append(f"layers.{i}.{name}")
+    return done
+
+
+def apply_compile(model: torch.nn.Module, mode: str, log: bool = False,
+                  backend: str = "inductor") -> list[str]:
+    """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled
+    (logged with ``log``)."""
+    check_mode(mode)
+    if mode == "none":
+        return []
+    if mode == "blocks":
+        done = compile_blocks(model, backend)
+    else:
+        model.forward = torch.compile(model.forward, backend=backend)    # full: breaks at the solver's host reads
+        done = ["forward"]
+    if log:
+        logger.info("train.compile = %s: %s", mode, ", ".join(done) or "no plain region in this model")
+    return done

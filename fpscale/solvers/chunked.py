@@ -1,0 +1,181 @@
+"""``solver.chunk: K``: the fixed-point loop as chunks of K iterations, every decision a device mask.
+
+The PyTorch loop (fpscale.solvers.iterate) decides on the host when to stop; here a chunk runs K
+iterations of the same loop (its ``_observe``, damped step and retirement: ``decisions`` token or
+sample) with no host read inside: the stop, ``min_iter``, the freezing and the prefix rule's
+retirement, the damping and patience (Algorithm 1) and the quantile test are tensors, and the
+solve's state carries a device flag ``running``. An iteration the eager loop would not have run (after the stop,
+past the cap) applies f and then leaves every sample and token as it was (``torch.where``), so the
+iterate, the damping, the residuals, the frozen tokens, ``retired_at``, the iteration count and the
+stop reason are the eager loop's, and so are the gradients (the unroll backward differentiates through the
+selects: the branch not taken gets a zero gradient). The count is not rounded up to the chunk:
+what is wasted is at most K - 1 applications of f after the stop. After each chunk the host reads
+one small tensor [running, iterations, stop reason] (one synchronisation per chunk).
+
+A chunk is one function of tensors, compiled with ``torch.compile(fullgraph=True, dynamic=False)``
+where it can be traced as one graph: a solve without autograd through the loop (every forward
+solve of the implicit, phantom and jfb backward modes, evaluation) and without collectives
+(no ``consensus``, ``state_reduce`` or ``agree``). The iteration number, the cap, ``min_iter`` and
+the quantile limit enter as device scalars, so neither a different iteration count nor a different
+number of chunks (nor training vs evaluation, nor a new closure per forward) recompiles
+(tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still with one host
+read per chunk:
+  unroll       autograd through K unrolled iterations (compiling it would also save every
+               iteration's activations, as the eager unroll does)
+  TP / DP      the stop flags are agreed every iteration, as in the eager loop (a collective, not
+               a host read), so every rank takes the same decisions as the eager loop's
+  adjoint      the adjoint's step is ``torch.autograd.grad`` of the recorded f, which dynamo does
+               not trace in one graph: the first such step found untraceable is remembered (by its
+               code) and its chunks run eager from then on, said once
+Not supported (an error naming the combination): Anderson mixing (its history is a host-side list).
+``check_every`` and ``bookkeeping`` do not apply: a chunked solve reads once per chunk and keeps
+its bookkeeping in the traced graph (the compiler fuses it with f).
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Callable
+
+import torch
+
+from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.iterate import _damped_step, _observe, _per_token, fresh_state, iterate, quantile_limit
+from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, state_dtype
+
+STOP_REASONS = ("max_iter", "converged", "quantile", "eta_min", "nonfinite")
+_UNTRACEABLE: set = set()          # code objects of steps that did not trace as one graph
+
+
+def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
+           min_iter, limit, real, prefix, cfg: SolverConfig, K: int, consensus, state_reduce, agree, group: int = 1):
+    """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
+    step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
+    ``cap``, ``min_iter`` and the quantile ``limit`` are device scalars). Returns the state after them."""
+    by_token, tol = cfg.decisions == "token", cfg.tol
+    for i in range(K):
+        k = k0 + (i + 1)
+        active = running & (k <= cap)
+        fz, res, counts, new_best, new_left, next_eta = _observe(
+            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree,
+            group)
+        with torch.no_grad():
+            n_unconverged, movable = counts.sums()
+            nonfinite = counts.nonfinite
+            update = active & ~nonfinite          # the eager loop breaks before the update on a non-finite residual
+            best = torch.where(active, new_best, best)
+            patience_left = torch.where(active, new_left, patience_left)
+        z_next = _damped_step(z, fz, eta, None, by_token, group)
+        if by_token or cfg.freeze_converged:
+            z_next = torch.where(_per_token(frozen, z), z, z_next)
+        z = torch.where(update, z_next, z)
+        with torch.no_grad():
+            if by_token or cfg.freeze_converged:
+                newly, prefix_done = counts.retire(res, tol, k, prefix, group)
+                frozen = torch.where(update, frozen | newly, frozen)
+                retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
+            token_res = torch.where(update, res.to(token_res.dtype), token_res)
+            eta = torch.where(update, next_eta, eta)
+            met, stalled = n_unconverged <= limit, movable == 0
+            stop = active & (nonfinite | ((k >= min_iter) & (met | stalled)))
+            code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
+            reason = torch.where(stop, code, reason)
+            iters = torch.where(active, k, iters)
+            running = running & ~stop
+    return z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason
+
+
+_COMPILED: dict = {}               # step code -> its compiled chunk
+
+
+def _compiled_chunk(code) -> Callable:
+    """The chunk compiled for the steps of one code object (a layer type's closure): a copy of
+    ``_chunk`` with its own code object, so each layer type has its own cache of graphs (dynamo's
+    recompile limit counts per code object: the layer types of one model, in training and
+    evaluation, would otherwise share one limit of 8)."""
+    if (code, BACKEND) not in _COMPILED:
+        own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
+        _COMPILED[code, BACKEND] = torch.compile(own, fullgraph=True, dynamic=False, backend=BACKEND)
+    return _COMPILED[code, BACKEND]
+
+
+COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
+BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build
+
+
+CHUNKED_NORMS = ("inf", "l2")      # the per-token norms of iterate.token_residual
+
+
+def check_chunked(cfg: SolverConfig) -> None:
+    """The combinations a chunk does not implement, refused by name (not run differently)."""
+    norm = getattr(cfg, "norm", "inf")
+    if norm not in CHUNKED_NORMS:
+        raise ValueError(f"solver.chunk = {cfg.chunk} with solver.norm = {norm}: the chunked loop implements the "
+                         f"per-token norms {', '.join(CHUNKED_NORMS)}; set solver.chunk: 0 for {norm}")
+    if cfg.anderson:
+        raise ValueError(f"solver.chunk = {cfg.chunk} with solver.anderson = {cfg.anderson}: Anderson mixing keeps "
+                         "its history on the host and is not chunked; set solver.chunk: 0 or solver.anderson: 0")
+
+
+def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
+             quantile: float, consensus=None, state_reduce=None, max_iter: int | None = None, real=None,
+             agree=None, carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
+    """The solver's loop as ``cfg.chunk`` says: ``iterate`` (0, the default) or ``iterate_chunked``.
+    The callers of the loop (the forward solve, the adjoint, deep supervision's windows) call this."""
+    if not cfg.chunk:
+        return iterate(step, z0, cfg, quantile=quantile, consensus=consensus, state_reduce=state_reduce,
+                       max_iter=max_iter, real=real, agree=agree, carry=carry, min_iter=min_iter, prefix=prefix,
+                       group=group)
+    limit = quantile_limit(quantile, z0.shape[0] * (agree.size if agree is not None else 1))
+    return iterate_chunked(step, z0, cfg, limit=limit, consensus=consensus, state_reduce=state_reduce,
+                           max_iter=cfg.max_iter if max_iter is None else max_iter, real=real, agree=agree,
+                           carry=carry, min_iter=min_iter, prefix=prefix, group=group)
+
+
+def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
+                    limit: int, consensus=None, state_reduce=None, max_iter: int, real=None, agree=None,
+                    carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
+    """``fpscale.solvers.iterate.iterate`` in chunks of ``cfg.chunk`` iterations (module docstring)."""
+    check_chunked(cfg)
+    min_iter = max(min_iter, getattr(cfg, "min_iter", 0))      # solver.min_iter where the config has it
+    K, dev = cfg.chunk, z0.device
+    z = z0.to(state_dtype(z0.dtype))
+    start = carry if carry is not None else fresh_state(z0, cfg, group)
+
+    def scalar(value: int, dtype=torch.long) -> torch.Tensor:
+        return torch.full((), value, dtype=dtype, device=dev)
+
+    retired_at = torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev)
+    state = (z, start.eta, start.best, start.patience_left, start.frozen, start.token_res, retired_at,
+             scalar(1, torch.bool), scalar(0), scalar(0))
+    # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
+    fixed = (scalar(max_iter), scalar(min_iter), scalar(limit), real, prefix, cfg, K, consensus, state_reduce, agree,
+             group)
+    code = getattr(step, "__code__", None)
+    traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None
+              and agree is None and code not in _UNTRACEABLE)
+    done, n, why = False, max_iter, 0
+    for k0 in range(0, max_iter, K):
+        args = (step, *state, scalar(k0), *fixed)
+        if traced:
+            try:
+                state = _compiled_chunk(code)(*args)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                traced = False
+                _UNTRACEABLE.add(code)
+                warnings.warn(f"solver.chunk: a solve's step ({getattr(step, '__qualname__', step)}) does not trace "
+                              f"as one graph ({type(exc).__name__}); its chunks run eager (one host read per "
+                              f"chunk still)", stacklevel=3)
+                state = _chunk(*args)
+        else:
+            state = _chunk(*args)
+        running, iters, reason = state[7:]
+        with torch.no_grad():
+            alive, n, why = torch.stack([running.long(), iters, reason]).tolist()     # the chunk's one read
+        if not alive:
+            done = True
+            break
+    z, eta, best, patience_left, frozen, token_res, retired_at = state[:7]
+    return IterateResult(z=z, iterations=n, stopped_by=STOP_REASONS[why] if done else "max_iter",
+                         token_res=token_res, token_converged=token_res < cfg.tol, eta=eta,
+                         carry=Carry(eta, best, patience_left, frozen, token_res), retired_at=retired_at)
