@@ -4,6 +4,8 @@ flash-attn vs SDPA; the largest micro-batch for implicit vs unrolled backward (t
     python bench/gpu.py                          # every configs/125m_*.yaml on cuda:0, bf16
     python bench/gpu.py --configs configs/125m_fpsa.yaml --steps 20
     python bench/gpu.py --quick                  # CPU: tiny configs, seconds (checks the pipeline)
+    python bench/gpu.py --micro 0 --steps 4 --no-fit --plan --budget-s 200   # the checklist's: each recipe's
+                                                 # micro-batch, peak vs fpscale-plan, within 200 s
 
 Per config (one process, one device, micro-batch ``--micro``, no accumulation, ``--steps`` timed
 after ``--warmup``): tokens/s, TFLOP/s and MFU nominal (every looped layer counted once) and
@@ -16,7 +18,9 @@ config, the micro-batch is doubled until the device runs out of memory, with the
 exactly ``--fit-iters`` iterations (tol 0) and the backward implicit or unrolled. On CPU there is
 no memory limit to hit: the fit search is skipped and reported as such, and the throughput runs
 default to micro-batch 1 and one timed step after no warm-up (the same configs and sequence length:
-it checks the pipeline at the real geometry; the figures are a GPU's).
+it checks the pipeline at the real geometry; the figures are a GPU's). The JSON is rewritten
+after every run (``complete: false`` until the end), and ``--budget-s`` stops starting runs once
+the time is spent (they are listed under ``skipped``): a timeout leaves every finished row.
 """
 from __future__ import annotations
 
@@ -129,6 +133,20 @@ def largest_micro_batch(path: str, backward: str, args) -> int:
     return best
 
 
+def planned_gib(path: str, micro: int, extra: list[str]) -> float | None:
+    """fpscale-plan's bytes for the set-up this bench runs (one process, the engine the trainer
+    resolves, micro-batch ``micro``), as the trainer's ``memory_gib`` measures them: the caching
+    allocator's peak, without the plan's slack and CUDA context (memory_plan.Plan.allocated)."""
+    import fpscale
+    from fpscale.train import memory_plan
+    cfg = fpscale.load_config(path, extra)
+    try:
+        return memory_plan.plan(cfg, 1, 1e6, unroll=False).allocated(micro) / memory_plan.GiB
+    except Exception as exc:          # the plan is a figure beside the run: say why it is missing
+        print(f"{Path(path).stem}: no plan ({type(exc).__name__}: {exc})")
+        return None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", help="default: configs/125m_*.yaml (--quick: tiny_attn, tiny_fpsa)")
@@ -140,8 +158,17 @@ def main(argv=None) -> None:
     ap.add_argument("--fit-max", type=int, default=256, help="stop doubling the micro-batch here")
     ap.add_argument("--quick", action="store_true", help="CPU pipeline check: tiny configs, 2 steps")
     ap.add_argument("--override", nargs="*", default=[], help="config overrides for every run (key=value)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="stop starting runs once this many seconds have passed (0: no limit); the JSON is "
+                         "rewritten after every run, and what was not run is listed as skipped")
+    ap.add_argument("--no-fit", action="store_true", help="skip the largest-micro-batch search")
+    ap.add_argument("--no-sdpa-twin", action="store_true",
+                    help="run the attention configs once (flash auto), not also with FPSCALE_FLASH_ATTN=0")
+    ap.add_argument("--plan", action="store_true",
+                    help="add fpscale-plan's prediction of the peak (plan_gib) for the same set-up")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    start = time.monotonic()
     import torch
     gpu = torch.cuda.is_available()
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
@@ -154,33 +181,56 @@ def main(argv=None) -> None:
     args.micro, args.warmup, args.steps = (v if v is not None else d for v, d in
                                            zip((args.micro, args.warmup, args.steps), defaults))
     import fpscale
-    rows, fit_rows = [], []
+    rows, fit_rows, skipped = [], [], []
     columns = ["config", "flash", "attention", "scan", "data", "params_M", "micro", "tokens_per_s", "tflops_executed",
-               "mfu_nominal", "mfu_executed", "peak_gib", "iters"]
+               "mfu_nominal", "mfu_executed", "peak_gib", *(["plan_gib"] if args.plan else []), "iters"]
+
+    def save(done: bool) -> None:          # after every run: a timeout leaves what was measured
+        write_json("gpu", {"args": vars(args), "complete": done, "rows": rows, "fit_rows": fit_rows,
+                           "skipped": skipped}, args.out, quiet=not done)
+
+    def out_of_time(what: str) -> bool:
+        if args.budget_s and time.monotonic() - start > args.budget_s:
+            skipped.append(what)
+            print(f"skipped {what}: the budget of {args.budget_s:g} s is spent")
+            return True
+        return False
+
     for path in configs:
-        attention = any(s.type in ("attn", "fpsa", "looped") for s in fpscale.load_config(path).model.layers)
-        flashes = ("auto", "0") if attention and torch.cuda.is_available() else ("auto",)
+        cfg = fpscale.load_config(path, args.override)
+        attention = any(s.type in ("attn", "fpsa", "looped") for s in cfg.model.layers)
+        flashes = ("auto", "0") if attention and gpu and not args.no_sdpa_twin else ("auto",)
         for flash in flashes:
-            rows.append(throughput(path, args, flash))
+            micro = args.micro or cfg.train.micro_batch          # 0: the recipe's own micro-batch
+            if out_of_time(f"{Path(path).stem} flash={flash}"):
+                continue
+            run = argparse.Namespace(**{**vars(args), "micro": micro})
+            rows.append(throughput(path, run, flash))
+            if args.plan:
+                rows[-1]["plan_gib"] = planned_gib(path, micro, data_source(path, args.override)[0] + args.override)
             print_table(rows[-1:], columns)
+            save(False)
     print_table(rows, columns)
     os.environ["FPSCALE_FLASH_ATTN"] = "auto"
-    for path in configs:
+    for path in [] if args.no_fit else configs:
         cfg = fpscale.load_config(path)
         looped = [cfg.solver.with_overrides(s.solver, "").max_iter for s in cfg.model.layers if s.type != "attn"]
         if not any(n > 1 for n in looped):      # attention only, or one-pass layers (125m_mamba)
             continue
         row = {"config": Path(path).stem, "iterations": args.fit_iters}
         if torch.cuda.is_available():
+            if out_of_time(f"{Path(path).stem} fit"):
+                continue
             for backward in ("implicit", "unroll"):
                 row[f"max_micro_{backward}"] = largest_micro_batch(path, backward, args)
             row["gain_x"] = row["max_micro_implicit"] / max(row["max_micro_unroll"], 1)
         else:
             row["max_micro_implicit"] = row["max_micro_unroll"] = "needs a GPU"
         fit_rows.append(row)
+        save(False)
     if fit_rows:
         print_table(fit_rows, list(fit_rows[0]))
-    write_json("gpu", {"args": vars(args), "rows": rows, "fit_rows": fit_rows}, args.out)
+    save(True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ forward solve, so set-up is excluded): those inside f and the solver's bookkeepi
 each ``solver.bookkeeping``: torch (the PyTorch loop) and fused (fpscale.solvers.fused: a Triton
 launch counts as one op), and the bytes those ops read and write. On a machine without CUDA the
 fused kernels run under Triton's interpreter (this script sets TRITON_INTERPRET=1 before fpscale
-is imported): the counts are the same as on a GPU, which is what the table is for.
+is imported): the counts are the same as on a GPU, which is what the table is for. Last, the wall
+time of one forward iteration per bookkeeping (caps 8 and 4 differenced). Model, tokens and solver
+live on one device: ``cuda`` wherever CUDA is available (``DEVICE``), else the CPU.
 
     python bench/solver_overhead.py                       # d 128, T 128, B 8
     python bench/solver_overhead.py --d 32 --T 16 --B 2   # a quick look
@@ -23,12 +25,16 @@ import contextlib
 import importlib
 import math
 import os
+import time
 
 import torch
 from common import print_table, write_json
 
 if not torch.cuda.is_available():       # the fused kernels on CPU: Triton decides at their definition
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# model, inputs and solver on one device: the GPU where there is one (the fused bookkeeping refuses
+# CPU tensors there, with no interpreter), else the CPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 import fpscale  # noqa: E402
 from fpscale.models import ModelConfig, layer_spec  # noqa: E402
@@ -50,16 +56,21 @@ def build(kind: str, d: int, heads: int, T: int, solver: dict, seed: int = 0):
     cfg.model = ModelConfig(vocab_size=64, d_model=d, n_heads=heads, max_seq_len=T + 1, layers=[spec])
     cfg.model.validate()
     torch.manual_seed(seed)
-    model = fpscale.build_model(cfg)
+    model = fpscale.build_model(cfg).to(DEVICE)
     model.train()
     return model
+
+
+def tokens(B: int, T: int) -> torch.Tensor:
+    """[B, T] token ids on DEVICE, the same on every device."""
+    return torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
 
 def reads_row(kind: str, mode: str, schedule: str, args) -> dict:
     solver = {**SCHEDULES[schedule], "max_iter": args.max_iter, "backward_max_iter": args.max_iter,
               "backward": mode}
     model = build(kind, args.d, args.heads, args.T, solver)
-    x = torch.randint(0, 64, (args.B, args.T + 1), generator=torch.Generator().manual_seed(0))
+    x = tokens(args.B, args.T + 1)
     with count_host_reads() as reads:
         loss = model(x[:, :-1], targets=x[:, 1:])
         loss.backward()
@@ -101,7 +112,7 @@ def counting_iterate(ops):
 def ops_in_solve(kind: str, schedule: str, cap: int, args, bookkeeping: str) -> dict:
     solver = {**SCHEDULES[schedule], "max_iter": cap, "tol": 0.0, "bookkeeping": bookkeeping}  # the whole cap
     model = build(kind, args.d, args.heads, args.T, solver)
-    x = torch.randint(0, 64, (args.B, args.T), generator=torch.Generator().manual_seed(0))
+    x = tokens(args.B, args.T)
     every = {"eager": 1, "tol0": None, "every4": 4}[schedule]
     real_schedule = iterate_module.read_schedule
     iterate_module.read_schedule = lambda cfg, n: every              # the schedule, whatever tol
@@ -127,6 +138,31 @@ def ops_row(kind: str, schedule: str, args) -> dict:
     return row
 
 
+def ms_per_iteration(kind: str, args, bookkeeping: str, reps: int = 3) -> float:
+    """Wall time of one forward iteration (no grad, tol 0: the solve runs to its cap): the best of
+    ``reps`` forwards at caps 4 and 8, differenced, so that everything outside the loop cancels."""
+    best = {}
+    for cap in (4, 8):
+        model = build(kind, args.d, args.heads, args.T, {"max_iter": cap, "tol": 0.0, "stop_quantile": 0.0,
+                                                         "bookkeeping": bookkeeping})
+        x = tokens(args.B, args.T)
+        with torch.no_grad():
+            model(x)                          # warm-up: kernels compiled, caches filled
+            best[cap] = math.inf
+            for _ in range(reps):
+                synchronize()
+                t0 = time.perf_counter()
+                model(x)
+                synchronize()
+                best[cap] = min(best[cap], time.perf_counter() - t0)
+    return (best[8] - best[4]) / 4 * 1e3
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=128)
@@ -144,6 +180,9 @@ def main(argv=None):
     read_rows = [reads_row(kind, mode, schedule, args) for kind in args.kinds for mode in args.modes
                  for schedule in SCHEDULES]
     op_rows = [ops_row(kind, schedule, args) for kind in args.kinds for schedule in SCHEDULES]
+    time_rows = [{"layer": kind, "device": DEVICE.type,
+                  **{f"ms_per_iter_{b}": ms_per_iteration(kind, args, b) for b in BOOKKEEPING}}
+                 for kind in args.kinds]
     print(f"host reads per training step (forward + backward), d={args.d} T={args.T} B={args.B}, "
           f"cap {args.max_iter} (forward and adjoint)")
     print_table(read_rows, ["layer", "backward", "schedule", "fwd_iters", "bwd_iters", "reads_per_step",
@@ -154,7 +193,12 @@ def main(argv=None):
                           *(f"solver_MiB_{b}" for b in BOOKKEEPING)])
     print("(solver_MiB: the bytes the bookkeeping's ops read and write per iteration, views aside: the "
           "memory traffic beside f's)")
-    write_json("solver_overhead", {"args": vars(args), "read_rows": read_rows, "op_rows": op_rows}, args.out)
+    print(f"\nwall time per forward iteration on {DEVICE} (no grad, best of 3, caps 8 - 4)"
+          + (" (the fused kernels under Triton's interpreter: their CPU time means nothing)"
+             if DEVICE.type == "cpu" else ""))
+    print_table(time_rows, ["layer", "device", *(f"ms_per_iter_{b}" for b in BOOKKEEPING)])
+    write_json("solver_overhead", {"args": vars(args), "device": str(DEVICE), "read_rows": read_rows,
+                                   "op_rows": op_rows, "time_rows": time_rows}, args.out)
     assert all(math.isfinite(r["reads_per_step"]) for r in read_rows)
 
 

@@ -110,6 +110,9 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key."""
     if not isinstance(data, dict):
         raise TypeError("config data must be a mapping")
+    section = data.get("parallel") or {}
+    # ZeRO asked for by the YAML (one that names no engine: a run's own config.yaml names it) or ...
+    asked = "zero_stage" in section and "engine" not in section
     base = to_dict(Config())
     # the default layer entries as their type and non-default fields only: an override that changes an
     # entry's type (model.layers.0.type=fpsa) must not carry the fields of the default type along
@@ -117,7 +120,11 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     data = _merge(base, data)
     for override in overrides:
         apply_override(data, override)
-    return from_dict(Config, data)
+        asked = asked or override.split("=", 1)[0].strip() == "parallel.zero_stage"     # ... by an override
+    cfg = from_dict(Config, data)
+    if cfg.parallel.engine == "auto" and asked and cfg.parallel.zero_stage > 0:
+        cfg.parallel.engine = "deepspeed"      # ZeRO asked for: DeepSpeed, one process too (parallel.engine)
+    return cfg
 
 
 def _set_fields(spec) -> dict[str, Any]:

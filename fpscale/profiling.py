@@ -7,6 +7,14 @@ from typing import Iterator
 import torch
 
 
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """One storage, however many tensors view it: (its StorageImpl, its bytes). Unlike the data
+    pointer this also tells apart the storages of the meta device (all at address 0), where
+    shapes and dtypes are real and nothing is computed (fpscale.train.memory_plan's loss head)."""
+    s = t.untyped_storage()
+    return s._cdata, s.nbytes()
+
+
 class SavedBytes:
     """Running total of the bytes autograd saves for backward inside ``count_saved_bytes()``.
 
@@ -18,7 +26,7 @@ class SavedBytes:
         self._seen: set[tuple[int, int]] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        key = storage_key(t)
         if key not in self._seen:
             self._seen.add(key)
             self.total += t.untyped_storage().nbytes()
@@ -34,6 +42,6 @@ def count_saved_bytes(exclude: tuple[torch.Tensor, ...] = ()) -> Iterator[SavedB
     """
     counter = SavedBytes()
     for t in exclude:
-        counter._seen.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        counter._seen.add(storage_key(t))
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         yield counter

@@ -9,6 +9,8 @@
 #   FPSCALE_SMOKE_CONFIG=configs/125m_fpmamba.yaml bash scripts/gpu_smoke.sh
 #   FPSCALE_SMOKE_CPU=1 bash scripts/gpu_smoke.sh     # the same runs, arguments and checks on 2 CPU
 #                                                     # processes (CI): the device is the only difference
+#   FPSCALE_SMOKE_CONFIG_OVERRIDES="model.layers.0.repeat=1" ...   # key=value overrides of the config's
+#                                                     # runs only (CI: fewer copies of each block)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
@@ -48,7 +50,10 @@ run() {
     local launcher=("$PY")
     [ "$nproc" -gt 1 ] && launcher=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
     local t0=$SECONDS
-    if FPSCALE_FLASH_ATTN=$flash timeout 900 "${launcher[@]}" launch/pretrain.py "${args[@]}" >"$OUT/$name.log" 2>&1; then
+    # --foreground: timeout stays in this script's process group, so that whoever kills the group
+    # (a test that timed out) kills the run too (plain timeout makes a group of its own)
+    if FPSCALE_FLASH_ATTN=$flash timeout --foreground 900 "${launcher[@]}" launch/pretrain.py "${args[@]}" \
+            >"$OUT/$name.log" 2>&1; then
         $PY - "$OUT/$name/metrics.jsonl" "$name" "$flash" $((SECONDS - t0)) <<'EOF'
 import json, sys
 from fpscale.ops.kernels import summary
@@ -69,15 +74,16 @@ EOF
 }
 
 base=$(basename "$CONFIG" .yaml)
+read -r -a over <<< "${FPSCALE_SMOKE_CONFIG_OVERRIDES:-}"
 run tiny_mixed-1proc-auto 1 auto configs/tiny_mixed.yaml
 run tiny_mixed-1proc-sdpa 1 0 configs/tiny_mixed.yaml
-run "$base-1proc-auto" 1 auto "$CONFIG"
-run "$base-1proc-sdpa" 1 0 "$CONFIG"
+run "$base-1proc-auto" 1 auto "$CONFIG" "${over[@]}"
+run "$base-1proc-sdpa" 1 0 "$CONFIG" "${over[@]}"
 if [ "$NGPU" -gt 1 ]; then
     run "tiny_mixed-dp$NGPU-zero1" "$NGPU" auto configs/tiny_mixed.yaml parallel.zero_stage=1
     run "tiny_mixed-dp$NGPU-zero3" "$NGPU" auto configs/tiny_mixed.yaml parallel.zero_stage=3
-    run "$base-dp$NGPU-zero1" "$NGPU" auto "$CONFIG" parallel.zero_stage=1
-    run "$base-dp$NGPU-zero3" "$NGPU" auto "$CONFIG" parallel.zero_stage=3
-    run "$base-tp2xdp$((NGPU / 2))-zero1" "$NGPU" auto "$CONFIG" parallel.tp=2 parallel.zero_stage=1
+    run "$base-dp$NGPU-zero1" "$NGPU" auto "$CONFIG" parallel.zero_stage=1 "${over[@]}"
+    run "$base-dp$NGPU-zero3" "$NGPU" auto "$CONFIG" parallel.zero_stage=3 "${over[@]}"
+    run "$base-tp2xdp$((NGPU / 2))-zero1" "$NGPU" auto "$CONFIG" parallel.tp=2 parallel.zero_stage=1 "${over[@]}"
 fi
 exit $failed

@@ -33,3 +33,22 @@ def test_solver_overhead_bench(tmp_path):
             assert r["reads_per_step"] == sum(math.ceil(i / 4) for i in iters), r
     for r in report["op_rows"]:      # the fused bookkeeping: <= 10 kernels an iteration (issue 27)
         assert r["f_ops_per_iter"] > 0 and 20 < r["solver_ops_torch"] < 80 and 0 < r["solver_ops_fused"] <= 10, r
+
+
+def test_model_and_tokens_go_to_the_gpu_where_cuda_is_available(monkeypatch):
+    """Where CUDA exists the script builds its model and its tokens on the GPU (it forces the fused
+    bookkeeping, which refuses CPU tensors there): CUDA faked available, then the meta device stands
+    in for the GPU, since this machine has none."""
+    import importlib.util
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("solver_overhead_on_cuda", ROOT / "bench" / "solver_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.DEVICE == torch.device("cuda")
+    monkeypatch.setattr(bench, "DEVICE", torch.device("meta"))
+    model = bench.build("fpsa", 32, 2, 16, {"max_iter": 4})
+    assert {p.device for p in model.parameters()} == {torch.device("meta")}
+    assert bench.tokens(2, 17).device == torch.device("meta")

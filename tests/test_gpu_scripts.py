@@ -1,14 +1,24 @@
 """The GPU scripts' pipelines on CPU (their figures need a GPU): scripts/gpu_smoke.sh runs its whole
 matrix, two CPU processes standing in for two GPUs, one line per run; bench/gpu.py prints its
-tables and writes JSON."""
+tables and writes JSON as it goes; scripts/gpu_checklist.sh runs its steps at CPU sizes within its
+budget, recording each. What can fail is kept (the recipe's geometry: d_model, heads, vocabulary,
+sequence; bf16; every layout); what only costs CPU time is cut (the copies of each block, ``repeat``,
+and most of the vocabulary: ONE_EACH).
+Every command runs in its own process group, killed whole with its test (tests/parallel/launch.run)."""
 import json
 import os
-import subprocess
 import sys
+import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.parallel.launch import ROOT, run
+
+# the 125m_fpsa recipe with one copy of each of its three blocks (attn x6, fpsa x2, attn x6), and a
+# vocabulary of 1152 = 128 x 9 for its 50304 = 128 x 393: the same divisibility (by tp, by 64), 2% of
+# the embedding and output layer, which held 77M of its 98M parameters with one block each and made
+# a CPU step minutes long (bf16 autocast, AdamW over all of them)
+ONE_EACH = ["model.layers.0.repeat=1", "model.layers.1.repeat=1", "model.layers.2.repeat=1", "model.vocab_size=1152"]
 
 
 @pytest.mark.slow
@@ -16,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_smoke_matrix_runs_on_cpu(tmp_path):
     """The whole matrix with the GPU runs' own arguments (configs, sequence, batch, bf16, layouts): only the
     device differs, and on CPU the flash=0 twin of each auto run (SDPA either way) is not run twice."""
-    env = {**os.environ, "FPSCALE_SMOKE_CPU": "1", "FPSCALE_SMOKE_OUT": str(tmp_path)}
-    proc = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    env = {"FPSCALE_SMOKE_CPU": "1", "FPSCALE_SMOKE_OUT": str(tmp_path),
+           "FPSCALE_SMOKE_CONFIG_OVERRIDES": " ".join(ONE_EACH)}
+    proc = run(["bash", "scripts/gpu_smoke.sh"], timeout=1200, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-5000:]
     lines = proc.stdout.splitlines()
     runs = [line.split()[1] for line in lines if line.startswith(("ok ", "FAIL", "same "))]
     assert runs == ["tiny_mixed-1proc-auto", "tiny_mixed-1proc-sdpa", "125m_fpsa-1proc-auto", "125m_fpsa-1proc-sdpa",
@@ -32,22 +42,80 @@ def test_gpu_smoke_matrix_runs_on_cpu(tmp_path):
     assert "scan:" in ran[0], proc.stdout                    # tiny_mixed's fpmamba layer: the scan that ran
     config = (tmp_path / "125m_fpsa-dp2-zero1" / "config.yaml").read_text()
     assert "seq_len: 128" in config and "precision: bf16" in config and "d_model: 768" in config
+    assert "vocab_size: 1152" in config and "n_heads: 12" in config
 
 
 @pytest.mark.slow
 def test_gpu_bench_runs_its_gpu_command_on_cpu(tmp_path):
     """``bench/gpu.py --configs configs/125m_fpsa.yaml`` as on a GPU: no FineWeb shards here, so synthetic tokens
-    of the recipe's geometry (seq 2048, vocab 50304, bf16), and it says so; the kernels that ran are counted."""
+    of the recipe's geometry (seq 2048, d 768, 12 heads, bf16; ONE_EACH's vocabulary), and it says so; the
+    kernels that ran are counted; fpscale-plan's figure for the same set-up sits beside the measured peak."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "bench/gpu.py", "--configs", "configs/125m_fpsa.yaml", "--out", str(out)],
-                          cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run([sys.executable, "bench/gpu.py", "--configs", "configs/125m_fpsa.yaml", "--plan", "--out", str(out),
+                "--override", *ONE_EACH], timeout=600)
     assert "125m_fpsa: synthetic tokens (no prepared token shards in cache/fineweb/tokens" in proc.stdout
     result = json.loads(out.read_text())
     [row] = result["rows"]
+    assert result["complete"] and result["skipped"] == []
     assert row["config"] == "125m_fpsa" and row["data"] == "synthetic" and row["micro"] == 1
-    assert row["tokens_per_s"] > 0 and row["tflops_executed"] > 0 and row["peak_gib"] > 0
-    assert row["attention"] == "sdpa bf16" and row["iters"].startswith("6:")     # the fpsa layers' iterations
+    assert row["tokens_per_s"] > 0 and row["tflops_executed"] > 0 and row["peak_gib"] > 0 and row["plan_gib"] > 0
+    assert row["attention"] == "sdpa bf16" and row["iters"].startswith("1:")     # the fpsa layer's iterations
     assert result["fit_rows"] == [{"config": "125m_fpsa", "iterations": 16, "max_micro_implicit": "needs a GPU",
                                    "max_micro_unroll": "needs a GPU"}]
+
+
+def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
+    """A budget already spent: nothing is started, and the JSON names every run it skipped."""
+    out = tmp_path / "gpu.json"
+    run([sys.executable, "bench/gpu.py", "--quick", "--budget-s", "1e-9", "--out", str(out)], timeout=300)
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["rows"] == []
+    assert result["skipped"] == ["tiny_attn flash=auto", "tiny_fpsa flash=auto"]      # (the fit needs a GPU)
+
+
+STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver"]
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+
+
+@pytest.mark.slow
+def test_gpu_checklist_on_cpu_finishes_under_its_budget(tmp_path):
+    """Every step at CPU sizes, one record each, all ok, inside the default budget (420 s); the summary
+    names the device and holds the recipes' table."""
+    t0 = time.monotonic()
+    proc = run(["bash", "scripts/gpu_checklist.sh", "--out", str(tmp_path)], timeout=600, check=False,
+               env={"PYTHON": sys.executable})
+    elapsed = time.monotonic() - t0
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == STEPS_CPU, proc.stdout[-3000:]
+    assert all(r["status"] == "ok" for r in got), [(r["step"], r["status"], r.get("tail")) for r in got]
+    assert proc.returncode == 0 and elapsed < 420, (elapsed, proc.stdout[-2000:])
+    assert {r["result"]["engine"] for r in got if r["step"].startswith("ds_zero")} == {"deepspeed"}
+    recipes = next(r for r in got if r["step"] == "recipes")["result"]["rows"]
+    assert sorted(row["config"] for row in recipes) == sorted(
+        p[:-5] for p in os.listdir(os.path.join(ROOT, "configs")) if p.startswith("125m_"))
+    assert all(row["plan_gib"] is not None for row in recipes)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "device: none (CPU)" in summary and "| recipes | ok |" in summary and "| 125m_fpsa |" in summary
+
+
+@pytest.mark.slow
+def test_gpu_checklist_ends_on_time_and_names_what_it_skipped(tmp_path):
+    """--budget-s 30: it returns within the budget (+ the kill's grace), every step is recorded, the
+    finished ones ok, the one cut short as a timeout, the rest named as skipped; summary.md is there."""
+    t0 = time.monotonic()
+    proc = run(["bash", "scripts/gpu_checklist.sh", "--budget-s", "30", "--out", str(tmp_path)], timeout=120,
+               check=False, env={"PYTHON": sys.executable})
+    elapsed = time.monotonic() - t0
+    assert elapsed < 30 + 10, elapsed
+    assert proc.returncode == 1
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == STEPS_CPU, proc.stdout
+    status = [r["status"] for r in got]
+    assert status[0] == "ok" and status[-1] == "skipped", status
+    assert set(status) <= {"ok", "timeout", "skipped"} and status.count("timeout") <= 1, status
+    first_skip = status.index("skipped")
+    assert all(s == "skipped" for s in status[first_skip:]), status
+    assert (tmp_path / "summary.md").exists() and "skipped" in (tmp_path / "summary.md").read_text()

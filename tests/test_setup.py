@@ -94,3 +94,18 @@ def test_the_driver_check_reads_nvidia_smi(tmp_path):
     assert plan.stdout.startswith("install torch==2.13.0: a GPU is present but torch 2.13.0+cpu is a CPU build")
     no_gpu = subprocess.run([sys.executable, script, "driver"], capture_output=True, text=True, timeout=120)
     assert no_gpu.returncode == 0 and no_gpu.stdout.startswith("no GPU"), no_gpu.stdout
+
+
+@pytest.mark.slow
+def test_deepspeeds_built_ops_stay_in_this_environment():
+    """Importing fpscale points TORCH_EXTENSIONS_DIR into the environment (sys.prefix), unless it is set:
+    two environments on one machine never share, and so never rebuild, DeepSpeed's JIT-built ops."""
+    import sys
+    code = "import os, sys, fpscale; print(os.environ['TORCH_EXTENSIONS_DIR']); print(sys.prefix)"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT).stdout.split()
+    assert out[0] == os.path.join(out[1], "torch_extensions")
+    mine = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_EXTENSIONS_DIR": "/tmp/mine"},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT).stdout.split()
+    assert mine[0] == "/tmp/mine"

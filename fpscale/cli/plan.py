@@ -4,13 +4,17 @@
     python launch/plan.py --config configs/350m_fpsa.yaml --gpus 16 --gpu-memory 80 --json plan.json \
         parallel.zero_stage=2
 
-Per GPU: weights, gradients and optimizer states for ``parallel.zero_stage`` and ``parallel.tp``
+Per GPU, for the engine the job runs (``--engine``; DeepSpeed for several GPUs, torch's AdamW for
+one, as the trainer resolves ``parallel.engine``): weights, gradients and optimizer states for
+``parallel.zero_stage`` and ``parallel.tp``
 (data parallel = gpus / tp), DeepSpeed's communication buffers, the bytes each layer type and the
 loss head save for backward, and the head's transient; then the largest micro-batch whose total
-(x the allocator slack, + the CUDA context) fits --gpu-memory, for the configured backward and,
+(x the allocator slack, + the CUDA context; the row ``allocated`` is the sum without them, what
+the trainer's ``memory_gib`` reports) fits --gpu-memory, for the configured backward and,
 where the config has fixed-point layers, the unrolled one at its cap. The model of memory, what
 it counts and what it leaves out: fpscale/train/memory_plan.py. Nothing runs on a GPU: the
-activations are measured on the CPU at small sizes (seconds to a minute). Exit code 2 for a bad
+activations are measured on the CPU at small sizes, each distinct block once, the loss head without
+computing (seconds: bench/plan.py times every recipe). Exit code 2 for a bad
 argument or config.
 """
 from __future__ import annotations
@@ -26,7 +30,8 @@ from fpscale.errors import UserError
 def table(p, micro_batches: list[int]) -> str:
     from fpscale.train.memory_plan import CONTEXT_GIB, SLACK, GiB
     s = p.states
-    lines = [f"per GPU: {p.gpus} GPUs = tp {p.tp} x data-parallel {p.dp}, {p.gpu_memory_gib:g} GiB, "
+    engine = "torch's AdamW, one process" if p.engine == "torch" else f"DeepSpeed ZeRO-{p.zero_stage}"
+    lines = [f"per GPU ({engine}): {p.gpus} GPUs = tp {p.tp} x data-parallel {p.dp}, {p.gpu_memory_gib:g} GiB, "
              f"sequence {p.seq_len}; {s.params_per_rank / 1e6:.1f}M parameters per rank, gradients in {s.grad_dtype}",
              f"  {'weights':<28}{s.weights / GiB:8.2f} GiB", f"  {'gradients':<28}{s.gradients / GiB:8.2f} GiB",
              f"  {'optimizer states':<28}{s.optimizer / GiB:8.2f} GiB",
@@ -42,6 +47,8 @@ def table(p, micro_batches: list[int]) -> str:
         for part in parts:
             lines.append(f"  {part:<28}" + "".join(f"{p.activations(B, unroll)[part] / GiB:9.2f}"
                                                   for B in micro_batches))
+        lines.append(f"  {'allocated (memory_gib)':<28}" + "".join(f"{p.allocated(B, unroll) / GiB:9.2f}"
+                                                                  for B in micro_batches))
         lines.append(f"  {'total x%.2f + %g GiB' % (SLACK, CONTEXT_GIB):<28}"
                      + "".join(f"{p.total(B, unroll) / GiB:9.2f}" for B in micro_batches))
         lines.append(f"  {'fits':<28}" + "".join(f"{'yes' if p.fits(B, unroll) else 'no':>9}" for B in micro_batches))
@@ -57,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, required=True, help="GPUs of the job (tp x data parallel)")
     ap.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU, GiB")
     ap.add_argument("--micro-batches", default="1,2,4,8,16,32", help="micro-batches to tabulate (comma-separated)")
+    ap.add_argument("--engine", choices=["auto", "deepspeed", "torch"], default=None,
+                    help="who trains (default: the config's parallel.engine; auto = DeepSpeed for several GPUs, "
+                         "torch's AdamW for one; a one-GPU job under the deepspeed launcher: deepspeed)")
     ap.add_argument("--json", nargs="?", const="-", default=None,
                     help="write the figures as JSON (a file, or - for stdout)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
@@ -70,6 +80,8 @@ def main(argv=None) -> int:
     import fpscale
     from fpscale.train import memory_plan
     cfg = fpscale.load_config(args.config, args.overrides)
+    if args.engine:
+        cfg.parallel.engine = args.engine
     p = memory_plan.plan(cfg, args.gpus, args.gpu_memory)
     if args.json == "-":
         print(json.dumps(p.to_dict(micro_batches), indent=1))

@@ -6,7 +6,10 @@
     torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_mixed.yaml
 
 Several processes train through DeepSpeed (ZeRO stage parallel.zero_stage); one process trains
-with torch's AdamW. The run directory runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
+with torch's AdamW, or through DeepSpeed where the ``deepspeed`` launcher started it, where
+parallel.zero_stage is set, or with parallel.engine=deepspeed (``deepspeed --num_gpus 1
+launch/pretrain.py ...``: ZeRO on one GPU, the cluster job's optimizer path). The run directory
+runs/<name>/ gets config.yaml, metrics.jsonl, tb/,
 checkpoints/ (every train.save_interval steps and at the end) and, with train.export_final,
 final/ (whole weights as safetensors; launch/convert.py makes them from any checkpoint).
 ``train.resume: auto`` (the default) continues from the newest complete checkpoint.
@@ -38,8 +41,8 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg)
     if trainer.state.is_main:
         print(f"model: {trainer.model.num_params():,} parameters, layers {trainer.model.layer_types}; "
-              f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, zero "
-              f"{cfg.parallel.zero_stage if trainer.state.distributed else '-'})", flush=True)
+              f"world {trainer.state.world_size} (dp {trainer.state.dp_size}, engine {trainer.state.engine}, zero "
+              f"{cfg.parallel.zero_stage if trainer.state.deepspeed else '-'})", flush=True)
     with trainer:                          # leaves NCCL / gloo together and cleanly
         trainer.train()
     return EXIT_PREEMPTED if trainer.preempted else 0

@@ -4,6 +4,10 @@ Ranks are laid out TP-major: the TP group of rank r is the ``tp`` consecutive ra
 (so TP stays inside a node), its DP group the ranks with the same TP rank.
 
     state = init_parallel(tp_size=2)      # reads RANK/WORLD_SIZE/LOCAL_RANK (or SLURM's variables)
+
+Who trains (``parallel.engine``, resolved by ``resolve_engine``): DeepSpeed at any world size, one
+process included (a process group of one, so that ZeRO-1/3 and DeepSpeed's optimizer path run on
+one GPU as in the cluster job), or torch's AdamW in one plain process.
 """
 from __future__ import annotations
 
@@ -31,10 +35,17 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None
     device: torch.device = torch.device("cpu")
     host_group: dist.ProcessGroup | None = None   # gloo over every rank, for host-side coordination (checkpoints)
+    engine: str = "torch"         # "deepspeed" or "torch": who trains (resolve_engine)
 
     @property
     def distributed(self) -> bool:
+        """Several processes: collectives are needed (DeepSpeed may also run in one: ``deepspeed``)."""
         return self.world_size > 1
+
+    @property
+    def deepspeed(self) -> bool:
+        """The DeepSpeed engine trains (any world size; a process group exists, of one process too)."""
+        return self.engine == "deepspeed"
 
     @property
     def is_main(self) -> bool:
@@ -45,7 +56,7 @@ class ParallelState:
         distributed run. A rank that exits while a peer still talks to it, or a group left to the
         interpreter's exit, can abort in gloo ("terminate called without an active exception")
         after the work is done. ``wait_for_peers=False`` skips the barrier (leaving on an error)."""
-        if not (self.distributed and dist.is_initialized()):
+        if not ((self.distributed or self.deepspeed) and dist.is_initialized()):
             return
         if wait_for_peers:
             dist.barrier(group=self.host_group)
@@ -164,10 +175,49 @@ def bind_device(env: Mapping[str, str], visible: int) -> tuple[torch.device, dic
 _rebound: dict[str, str] = {}      # LOCAL_RANK as bind_device rewrote it in this process -> as the launcher set it
 
 
-def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
+DEEPSPEED_LAUNCHER_ENV = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+
+
+def launched_by_deepspeed(env: Mapping[str, str]) -> bool:
+    """Whether the ``deepspeed`` launcher started this process: DeepSpeed 0.19.8's launcher/launch.py
+    sets CROSS_RANK, CROSS_SIZE (deepspeed/constants.py) and LOCAL_SIZE in every process it spawns,
+    whatever the world size; torchrun, srun and a plain ``python`` set none of them (torchrun's are
+    LOCAL_WORLD_SIZE / GROUP_RANK). The ``--local_rank`` argument is no sign: ``--no_local_rank``
+    drops it."""
+    return all(name in env for name in DEEPSPEED_LAUNCHER_ENV)
+
+
+def resolve_engine(engine: str, world: int, env: Mapping[str, str]) -> tuple[str, str]:
+    """(``deepspeed`` or ``torch``, why) for ``parallel.engine`` in a job of ``world`` processes.
+    ``auto`` (config.py turns it into ``deepspeed`` where parallel.zero_stage was set): DeepSpeed for
+    several processes or under the ``deepspeed`` launcher, torch's AdamW in a plain single process."""
+    if engine == "torch":
+        if world > 1:
+            raise LayoutError(f"parallel.engine = torch trains one process, but WORLD_SIZE is {world}: "
+                              "several processes train through DeepSpeed (parallel.engine: deepspeed or auto)")
+        return "torch", "parallel.engine: torch"
+    if engine == "deepspeed":
+        return "deepspeed", "parallel.engine: deepspeed"
+    if world > 1:
+        return "deepspeed", f"auto: {world} processes"
+    if launched_by_deepspeed(env):
+        return "deepspeed", "auto: started by the deepspeed launcher"
+    return "torch", "auto: one process, not started by the deepspeed launcher"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(tp_size: int = 1, timeout_s: float = 300.0, engine: str = "auto") -> ParallelState:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and the TP x DP groups.
 
-    Without launcher variables this is a single process and nothing is initialised.
+    Without launcher variables this is a single process and nothing is initialised, unless
+    ``engine`` (``parallel.engine``) resolves to DeepSpeed: then a process group of one (on a
+    free local port where no launcher set MASTER_ADDR / MASTER_PORT).
     ``timeout_s`` bounds every collective: a peer that died makes the others fail, not hang.
     """
     env_from_slurm()
@@ -175,6 +225,7 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     rank = int(os.environ.get("RANK", "0"))
     if tp_size < 1 or world % tp_size:
         raise LayoutError(f"world size {world} is not divisible by parallel.tp = {tp_size}")
+    engine, _ = resolve_engine(engine, world, os.environ)
     cuda = torch.cuda.is_available()
     launcher = dict(os.environ)
     if launcher.get("LOCAL_RANK") in _rebound:         # an earlier call in this process rewrote it
@@ -185,8 +236,13 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
     os.environ.update(deepspeed_env)
     if deepspeed_env:
         _rebound[deepspeed_env["LOCAL_RANK"]] = str(local_rank)
-    if world == 1 and tp_size == 1:
+    if world == 1 and tp_size == 1 and engine == "torch":
         return ParallelState(device=device)
+    if world == 1 and not dist.is_initialized():        # DeepSpeed in one process: a group of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(name, value)          # DeepSpeed reads them (runtime/engine.py)
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -203,7 +259,7 @@ def init_parallel(tp_size: int = 1, timeout_s: float = 300.0) -> ParallelState:
         if t == tp_rank:
             dp_group = g
     return ParallelState(rank, world, local_rank, tp_size, tp_rank, dp_size, dp_rank, tp_group, dp_group, device,
-                         new_host_group(timeout_s))
+                         new_host_group(timeout_s), engine)
 
 
 def new_host_group(timeout_s: float):

@@ -5,9 +5,13 @@ that fits a memory budget.
     python launch/plan.py --config configs/125m_fpsa.yaml --gpus 16 --gpu-memory 80 --json
     plan = memory_plan.plan(cfg, gpus=8, gpu_memory_gib=40)       # in code: Plan.fits(B), .largest_micro_batch()
 
-Per GPU, with P the parameters of one tensor-parallel rank and D = gpus / parallel.tp the
-data-parallel size (fpscale hands torch's AdamW to DeepSpeed; ``trainer.deepspeed_config`` says
-whether bf16 gradients are accumulated and reduced in fp32):
+The engine is the one the trainer runs (``plan_engine``; parallel.engine): DeepSpeed for several
+GPUs or where asked for (``--engine deepspeed``: a one-GPU job under the ``deepspeed`` launcher),
+else torch's AdamW in one process: fp32 weights and gradients P x 4 each, two fp32 moments P x 8,
+no master copy, no buffers; activations under bf16 autocast. Under DeepSpeed, per GPU, with P the
+parameters of one tensor-parallel rank and D = gpus / parallel.tp the data-parallel size (fpscale
+hands torch's AdamW to DeepSpeed; ``trainer.deepspeed_config`` says whether bf16 gradients are
+accumulated and reduced in fp32):
 
   weights      P x 2 (bf16) or 4 (fp32) bytes; / D under ZeRO-3
   gradients    stage 0: the model's gradients P x w, plus fp32 P x 4 at the step under bf16
@@ -27,202 +31,51 @@ whether bf16 gradients are accumulated and reduced in fp32):
                that saves T x T; a per-sequence term); the head, at the real vocabulary of a rank
                and either side of a chunk, also by its peak of live tensors in its own forward and
                backward (its transient: the logits, or one chunk of them)
-  slack        x 1.10 on the whole (the caching allocator's rounding and fragmentation), plus
-               1 GiB outside it (CUDA context, cuBLAS and NCCL workspaces)
+  slack        ``allocated`` (the sum above: what the trainer's ``memory_gib``, torch's
+               max_memory_allocated, measures) x 1.10 (the caching allocator's rounding and
+               fragmentation) + 1 GiB outside it (CUDA context, cuBLAS and NCCL workspaces) = ``total``,
+               what must fit the GPU
 
-Activations follow the code: blocks run in the training dtype (bf16 weights under DeepSpeed bf16)
-on the CPU, one block of each ``model.layers`` entry at the config's d_model. What is not modelled:
+Activations follow the code: blocks run in the training dtype (bf16 weights under DeepSpeed bf16,
+fp32 weights under autocast for the torch engine) on the CPU, one block of each distinct
+``model.layers`` entry at the config's d_model (fpscale/train/memory_measure.py). What is not modelled:
 the layers' own backward transients (one layer's backward at a time, smaller than the head's),
 GPU-only kernels that save less than the CPU path (the Triton scan), sequence-parallel TP (the
 activations of a TP rank are counted whole: an upper bound under TP, the head's logits / tp).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from fpscale.profiling import count_saved_bytes
+from fpscale.train.memory_measure import (  # noqa: F401  (the planner's measuring half, re-exported)
+    CALIBRATION,
+    UNROLL_CAPS,
+    HeadFit,
+    LayerFit,
+    LivePeak,
+    calibrate_head,
+    calibrate_layer,
+    measure_block,
+)
 
 GiB = 1024 ** 3
 SLACK = 1.10                      # the allocator's rounding and fragmentation, on the whole
 CONTEXT_GIB = 1.0                 # CUDA context, cuBLAS / NCCL workspaces: outside torch's allocator
 DS_BUCKET = int(5e8)              # DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
 DS_PREFETCH = int(5e7)            # stage3_prefetch_bucket_size default
-CALIBRATION = ((1, 64), (2, 64), (1, 128), (2, 128))   # (B, T) each layer's per-token fit is measured at
-UNROLL_CAPS = (2, 4)              # solver caps the unrolled backward's per-iteration bytes are fitted on
 
 
-# -- measuring ------------------------------------------------------------------------------
-class LivePeak(TorchDispatchMode):
-    """Peak bytes of the tensors that ops create inside the block (forward and backward), storages
-    counted once; a storage counts until the tensor that created it is freed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: dict[int, int] = {}
-
-    def _free(self, key: int) -> None:
-        self.live -= self._seen.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                s = t.untyped_storage()
-                key = s.data_ptr()
-                if key and key not in self._seen:
-                    self._seen[key] = s.nbytes()
-                    self.live += s.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, key)
-        return out
-
-
-def _dtype(cfg) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-
-
-def _fit(points: list[tuple[float, ...]], values: list[float]) -> list[float]:
-    """Least squares (exact for as many points as terms)."""
-    a = torch.tensor(points, dtype=torch.float64)
-    b = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
-    return torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
-
-
-@dataclass
-class LayerFit:
-    """Bytes one block of ``kind`` saves for backward: per_token x N + per_token_T x N x T (+ the
-    unrolled backward's per_iteration x N x iterations when ``iterations`` is set) + per_sequence x B."""
-    kind: str
-    count: int
-    mode: str
-    per_token: float
-    per_token_T: float = 0.0
-    iterations: int = 0            # the unrolled backward at this cap (0: not iteration-dependent)
-    per_iteration: float = 0.0
-    per_sequence: float = 0.0      # per-sample state (the solver's per-sample flags and damping)
-
-    def bytes(self, B: int, T: int) -> float:
-        n = B * T
-        return max(0.0, n * (self.per_token + self.per_token_T * T + self.per_iteration * self.iterations)
-                   + B * self.per_sequence)
-
-
-def _build_block(cfg, spec):
-    from fpscale.layers.registry import LayerSpec  # noqa: F401  (the registry is loaded by config)
-    solver = cfg.solver.with_overrides(spec.solver, "model.layers") if spec.looped else None
-    torch.manual_seed(cfg.seed)
-    block = spec.build(cfg.model, solver).to(_dtype(cfg))
-    return block.train()
-
-
-def _loops(block):
-    from fpscale.layers.fixed_point import FixedPointLayer
-    return [m for m in block.modules() if isinstance(m, FixedPointLayer)]
-
-
-def measure_block(block, B: int, T: int, dtype: torch.dtype, d: int) -> tuple[int, int]:
-    """(saved bytes, solver iterations taken) of one training forward of ``block`` on [B, T, d]."""
-    torch.manual_seed(0)
-    x = torch.randn(B, T, d, dtype=dtype, requires_grad=True)
-    with count_saved_bytes(exclude=tuple(block.parameters())) as saved:
-        block(x, 0, None)
-    iters = max((m.last_stats.iterations for m in _loops(block) if m.last_stats is not None), default=0)
-    return saved.total, iters
-
-
-def calibrate_layer(cfg, spec, unroll: bool = False) -> LayerFit:
-    """Fit one ``model.layers`` entry. ``unroll``: its fixed-point solves with the unrolled
-    backward at the configured cap (solver.max_iter), from two small caps run to the end."""
-    block = _build_block(cfg, spec)
-    dtype, d = _dtype(cfg), cfg.model.d_model
-    loops = _loops(block)
-    mode = loops[0].backward_mode if loops else "-"
-    if unroll or mode == "unroll":
-        if not loops or all(m.iterate_free for m in loops):
-            return dataclasses.replace(calibrate_layer(cfg, spec), mode="unroll" if loops else "-")
-        cap = max(m.solver.max_iter for m in loops)
-        B, T = CALIBRATION[-1]
-        rows, vals = [], []
-        for k in UNROLL_CAPS:
-            for m in loops:
-                m.solver = dataclasses.replace(m.solver, backward="unroll", tol=0.0, stop_quantile=0.0)
-                m.cap = k
-            saved, iters = measure_block(block, B, T, dtype, d)
-            rows.append((1.0, float(iters)))
-            vals.append(saved / (B * T))
-        if rows[0][1] == rows[1][1]:
-            raise RuntimeError(f"{spec.type}: the unrolled solves stopped before their caps {UNROLL_CAPS}")
-        base, per_iter = _fit(rows, vals)
-        return LayerFit(spec.type, spec.repeat, "unroll", base, 0.0, cap, per_iter)
-    rows, vals = [], []
-    for B, T in CALIBRATION:
-        saved, _ = measure_block(block, B, T, dtype, d)
-        rows.append((B * T, B, 1.0))
-        vals.append(saved)
-    per_token, per_sequence, const = _fit(rows, vals)
-    worst = max(abs(n * per_token + b * per_sequence + const - v) / v for (n, b, _), v in zip(rows, vals))
-    if worst > 0.02:           # not linear in tokens: a T x T term too (attention saving its scores)?
-        rows_T = [(n, n * T, b, 1.0) for (n, b, _), (_, T) in zip(rows, CALIBRATION)]
-        fit_T = _fit(rows_T, vals)
-        if fit_T[1] > 0:       # only a growing term; a shrinking one is no T x T (keep the linear fit)
-            return LayerFit(spec.type, spec.repeat, mode, fit_T[0], fit_T[1], per_sequence=fit_T[2])
-    return LayerFit(spec.type, spec.repeat, mode, per_token, per_sequence=per_sequence)
-
-
-@dataclass
-class HeadFit:
-    """The loss head (final norm, output layer, cross-entropy, through ``LoopedLM.forward``) at the
-    vocabulary of one TP rank: ``saved`` and ``peak`` bytes = a x N + c x min(N, chunk) + const,
-    chunk ``model.loss_chunk`` (0: no chunks, the head is linear in N)."""
-    saved: tuple[float, float, float]
-    peak: tuple[float, float, float]
-    chunk: int
-
-    def bytes(self, which: str, n: int) -> float:
-        a, c, const = getattr(self, which)
-        return max(0.0, a * n + c * min(n, self.chunk or n) + const)
-
-
-def calibrate_head(cfg, vocab: int) -> HeadFit:
-    """Measured at the real ``vocab`` (the logits decide), at token counts either side of a chunk."""
-    from fpscale.layers.registry import layer_spec
-    from fpscale.models import build_model
-    chunk = int(getattr(cfg.model, "loss_chunk", 0) or 0)
-    points = [chunk // 2, chunk, 2 * chunk] if chunk else [512, 1024, 2048]
-    rows, saved_vals, peak_vals = [], [], []
-    small = copy.deepcopy(cfg)
-    small.model.vocab_size = vocab
-    small.model.layers = [layer_spec("attn")]
-    torch.manual_seed(0)
-    model = build_model(small).to(_dtype(cfg)).train()
-    model.layers, model.layer_types = torch.nn.ModuleList(), []
-    params = tuple(model.parameters())
-    for n in points:
-        rows_of = min(64, cfg.model.max_seq_len)           # the head is per token: any [B, T] of N
-        n = -(-n // rows_of) * rows_of
-        tokens = torch.randint(0, vocab, (n // rows_of, rows_of))
-        targets = torch.randint(0, vocab, (n // rows_of, rows_of))
-        model.zero_grad(set_to_none=True)
-        with LivePeak() as live:
-            with count_saved_bytes(exclude=params) as saved:
-                loss = model(tokens, targets=targets)
-            loss.backward()
-        rows.append((n, min(n, chunk or n), 1.0) if chunk else (n, 1.0))
-        saved_vals.append(saved.total)
-        peak_vals.append(live.peak - sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None))
-    if chunk:
-        return HeadFit(tuple(_fit(rows, saved_vals)), tuple(_fit(rows, peak_vals)), chunk)
-    (a, c), (pa, pc) = _fit(rows, saved_vals), _fit(rows, peak_vals)
-    return HeadFit((a, 0.0, c), (pa, 0.0, pc), 0)
+# -- measuring: fpscale/train/memory_measure.py; the engine ----------------------------------
+def plan_engine(cfg, gpus: int) -> str:
+    """The engine a job of ``gpus`` processes runs (fpscale.parallel.state.resolve_engine): auto is
+    DeepSpeed for several, torch's AdamW for one (a one-GPU job under the ``deepspeed`` launcher
+    runs DeepSpeed: plan it with engine="deepspeed", fpscale-plan --engine deepspeed)."""
+    engine = cfg.parallel.engine
+    return ("deepspeed" if gpus > 1 else "torch") if engine == "auto" else engine
 
 
 # -- model states ---------------------------------------------------------------------------
@@ -259,10 +112,15 @@ class ModelStates:
     largest_module: int
 
 
-def model_states(cfg, dp: int) -> ModelStates:
-    """Weights, gradients, optimizer states and DeepSpeed's buffers of one GPU (module docstring)."""
+def model_states(cfg, dp: int, engine: str = "deepspeed") -> ModelStates:
+    """Weights, gradients, optimizer states and DeepSpeed's buffers of one GPU (module docstring).
+    ``engine="torch"``: one process with torch's AdamW, fp32 weights and gradients (bf16 autocast)
+    and two fp32 moments, no master copy and no buffers: 16 bytes a parameter."""
     from fpscale.train.config import BatchPlan
     from fpscale.train.deepspeed_config import deepspeed_config
+    if engine == "torch":
+        _, P, largest = parameter_counts(cfg)
+        return ModelStates(P * 4, P * 4, P * 8, 0, "fp32", P, largest)
     stage, bf16 = cfg.parallel.zero_stage, cfg.train.precision == "bf16"
     ds = deepspeed_config(cfg, BatchPlan(dp, 1, 1, dp))
     fp32_accum = not bf16 or ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
@@ -294,6 +152,7 @@ def model_states(cfg, dp: int) -> ModelStates:
 # -- the plan -------------------------------------------------------------------------------
 @dataclass
 class Plan:
+    engine: str               # "deepspeed" or "torch" (plan_engine)
     gpus: int
     gpu_memory_gib: float
     tp: int
@@ -304,6 +163,7 @@ class Plan:
     layers: list[LayerFit]
     head: HeadFit
     unroll_layers: list[LayerFit] = field(default_factory=list)   # the same stack, unrolled backward
+    zero_stage: int = 0
 
     def activations(self, B: int, unroll: bool = False) -> dict[str, float]:
         """Bytes by part at micro-batch B: each layer type's saved bytes, the head's saved and peak."""
@@ -315,13 +175,18 @@ class Plan:
         out["head (peak)"] = max(self.head.bytes("peak", n), out["head (saved)"])
         return out
 
-    def total(self, B: int, unroll: bool = False) -> float:
-        """Bytes one GPU needs at micro-batch B, slack and context included."""
+    def allocated(self, B: int, unroll: bool = False) -> float:
+        """Bytes torch's caching allocator holds at its peak at micro-batch B: what the trainer's
+        ``memory_gib`` reports on a GPU (torch.cuda.max_memory_allocated), no slack, no context."""
         s = self.states
         act = self.activations(B, unroll)
         layers = sum(v for k, v in act.items() if not k.startswith("head"))
-        return SLACK * (s.weights + s.gradients + s.optimizer + s.buffers + layers + act["head (peak)"]) \
-            + CONTEXT_GIB * GiB
+        return s.weights + s.gradients + s.optimizer + s.buffers + layers + act["head (peak)"]
+
+    def total(self, B: int, unroll: bool = False) -> float:
+        """Bytes one GPU needs at micro-batch B: ``allocated`` x SLACK (the allocator's rounding and
+        fragmentation: reserved beyond allocated) + the CUDA context, outside torch's allocator."""
+        return SLACK * self.allocated(B, unroll) + CONTEXT_GIB * GiB
 
     def fits(self, B: int, unroll: bool = False) -> bool:
         return self.total(B, unroll) <= self.gpu_memory_gib * GiB
@@ -338,7 +203,9 @@ class Plan:
 
     def to_dict(self, micro_batches: list[int]) -> dict:
         s = self.states
-        out = {"gpus": self.gpus, "tp": self.tp, "dp": self.dp, "gpu_memory_gib": self.gpu_memory_gib,
+        out = {"engine": self.engine, "zero_stage": self.zero_stage if self.engine == "deepspeed" else None,
+               "gpus": self.gpus, "tp": self.tp, "dp": self.dp,
+               "gpu_memory_gib": self.gpu_memory_gib,
                "seq_len": self.seq_len, "slack": SLACK, "context_gib": CONTEXT_GIB,
                "params_per_rank": s.params_per_rank, "grad_accum_dtype": s.grad_dtype,
                "gib": {"weights": s.weights / GiB, "gradients": s.gradients / GiB, "optimizer": s.optimizer / GiB,
@@ -350,35 +217,50 @@ class Plan:
             key = "unroll" if unroll else "configured"
             out["largest_micro_batch" + ("_unroll" if unroll else "")] = self.largest_micro_batch(unroll)
             out["micro_batches"][key] = {str(B): {**{k: v / GiB for k, v in self.activations(B, unroll).items()},
+                                                  "allocated": self.allocated(B, unroll) / GiB,
                                                   "total": self.total(B, unroll) / GiB, "fits": self.fits(B, unroll)}
                                          for B in micro_batches}
         return out
 
 
-def plan(cfg, gpus: int, gpu_memory_gib: float, unroll: bool = True) -> Plan:
+def plan(cfg, gpus: int, gpu_memory_gib: float, unroll: bool = True, engine: str | None = None) -> Plan:
     """The plan of ``cfg`` on ``gpus`` GPUs of ``gpu_memory_gib`` each. ``unroll``: also the
-    stack with every fixed-point layer on the unrolled backward at its cap (where it differs)."""
+    stack with every fixed-point layer on the unrolled backward at its cap (where it differs).
+    ``engine``: who trains (default: ``plan_engine``, as the trainer resolves parallel.engine).
+    Each distinct block (a ``model.layers`` entry, ``repeat`` aside) is calibrated once."""
     from fpscale.errors import UserError
     tp = cfg.parallel.tp
     if gpus < 1 or gpus % tp:
         raise UserError(f"--gpus {gpus} must be a positive multiple of parallel.tp = {tp}")
     if gpu_memory_gib <= 0:
         raise UserError(f"the GPU memory must be > 0 GiB, got {gpu_memory_gib}")
-    layers = [calibrate_layer(cfg, spec) for spec in cfg.model.layers]
+    engine = engine or plan_engine(cfg, gpus)
+    if engine == "torch" and gpus > 1:
+        raise UserError(f"the torch engine trains one process, not {gpus}: plan --engine deepspeed (or auto)")
+    fits: dict[tuple[str, bool], LayerFit] = {}
+
+    def fit(spec, unrolled: bool = False) -> LayerFit:
+        key = (repr(dataclasses.replace(spec, repeat=1)), unrolled)
+        if key not in fits:
+            fits[key] = calibrate_layer(cfg, spec, unrolled, engine)
+        return dataclasses.replace(fits[key], count=spec.repeat)
+
+    layers = [fit(spec) for spec in cfg.model.layers]
     unrolled = []
     if unroll and any(spec.looped for spec in cfg.model.layers):
-        unrolled = [calibrate_layer(cfg, spec, unroll=True) if spec.looped else fit
-                    for spec, fit in zip(cfg.model.layers, layers)]
+        unrolled = [fit(spec, True) if spec.looped else f for spec, f in zip(cfg.model.layers, layers)]
         if all(a.mode == b.mode for a, b in zip(layers, unrolled)):
             unrolled = []
-    return Plan(gpus, gpu_memory_gib, tp, gpus // tp, cfg.data.seq_len, math.ceil(cfg.model.vocab_size / tp),
-                model_states(cfg, gpus // tp), layers, calibrate_head(cfg, math.ceil(cfg.model.vocab_size / tp)),
-                unrolled)
+    vocab = math.ceil(cfg.model.vocab_size / tp)
+    return Plan(engine, gpus, gpu_memory_gib, tp, gpus // tp, cfg.data.seq_len, vocab,
+                model_states(cfg, gpus // tp, engine), layers, calibrate_head(cfg, vocab, engine=engine), unrolled,
+                cfg.parallel.zero_stage)
 
 
-def auto_micro_batch(cfg, dp_size: int, device: torch.device) -> int:
+def auto_micro_batch(cfg, dp_size: int, device: torch.device, engine: str | None = None) -> int:
     """``train.micro_batch: auto``: the largest micro-batch that divides each rank's share of the
-    global batch and fits this device (``train.gpu_memory_gib``, else the GPU's own memory)."""
+    global batch and fits this device (``train.gpu_memory_gib``, else the GPU's own memory), for
+    the engine that trains (the trainer's ``state.engine``)."""
     from fpscale.errors import ConfigError
     gib = cfg.train.gpu_memory_gib
     if not gib:
@@ -387,7 +269,7 @@ def auto_micro_batch(cfg, dp_size: int, device: torch.device) -> int:
                               "train.gpu_memory_gib (the budget to plan for) or give a number")
         gib = torch.cuda.get_device_properties(device).total_memory / GiB
     share = cfg.train.global_batch // dp_size
-    p = plan(cfg, dp_size * cfg.parallel.tp, gib, unroll=False)
+    p = plan(cfg, dp_size * cfg.parallel.tp, gib, unroll=False, engine=engine)
     best = p.largest_micro_batch(limit=share, divides=share)
     if best == 0:
         raise ConfigError("train.micro_batch", f"auto: not even micro-batch 1 fits {gib:.1f} GiB "

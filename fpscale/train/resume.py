@@ -50,7 +50,7 @@ def plan_resume(cfg: Config, state, run_dir: str, model, progress: TrainState) -
     if same_layout(meta, state, cfg.parallel.zero_stage):
         return ResumePlan(folder, meta, universal=False)
     where = saved_on(meta)
-    if not state.distributed or meta["kind"] != "deepspeed" or meta["zero_stage"] == 0:
+    if not state.deepspeed or meta["kind"] != "deepspeed" or meta["zero_stage"] == 0:
         raise CheckpointError(
             f"{folder} was saved on {where}; it resumes on another layout only from a DeepSpeed "
             f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
@@ -103,9 +103,9 @@ def choose_checkpoint(resume: str, run_dir: str, state) -> str | None:
 
 def same_layout(meta: dict, state, zero_stage: int) -> bool:
     """Whether ``meta`` was saved on this run's layout: its own shards load as they are."""
-    kind = "deepspeed" if state.distributed else "single"
+    kind = "deepspeed" if state.deepspeed else "single"
     return (meta["kind"] == kind and meta["tp"] == state.tp_size and meta["dp"] == state.dp_size
-            and (not state.distributed or meta["zero_stage"] == zero_stage))
+            and (not state.deepspeed or meta["zero_stage"] == zero_stage))
 
 
 def saved_on(meta: dict) -> str:

@@ -140,13 +140,14 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         self.owns_state = state is None
-        self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s)
+        self.state = state or init_parallel(cfg.parallel.tp, cfg.parallel.timeout_s, cfg.parallel.engine)
+        cfg.parallel.engine = self.state.engine           # config.yaml records the engine that runs
         self.heartbeat = None             # names a rank that vanishes (fpscale/parallel/heartbeat.py)
         if self.state.distributed:
             self.heartbeat = Heartbeat.start(self.state.rank, self.state.world_size, cfg.parallel.timeout_s)
         if t.micro_batch == "auto":       # the largest that fits this device (fpscale.train.memory_plan)
             from fpscale.train.memory_plan import auto_micro_batch
-            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device)
+            t.micro_batch = auto_micro_batch(cfg, self.state.dp_size, self.state.device, self.state.engine)
             cfg._check_solvers(t.micro_batch)
             if self.state.is_main and log:
                 logger.info("train.micro_batch: auto -> %d (the largest that fits, fpscale-plan)", t.micro_batch)
@@ -177,7 +178,7 @@ class Trainer:
         self.run_dir = os.path.join(t.out_dir, cfg.name)
         plan = plan_resume(cfg, self.state, self.run_dir, self.model, self.progress)
         self.engine = None
-        if self.state.distributed:
+        if self.state.deepspeed:
             import deepspeed
             if cfg.parallel.zero_stage == 3 and self.model.lm_head is None:
                 # the tied embedding is read again by the output projection, outside its module

@@ -39,7 +39,7 @@ def test_saved_bytes_within_10_percent(kind):
     """Layers + head saved bytes, predicted from the fit at CALIBRATION sizes, against one real
     forward of the whole model (the trainer's: bf16 weights, targets, training mode) at two others."""
     cfg = small(kind)
-    p = mp.plan(cfg, 1, 80, unroll=False)
+    p = mp.plan(cfg, 1, 80, unroll=False, engine="deepspeed")      # bf16 weights, as below
     torch.manual_seed(0)
     model = build_model(cfg).to(torch.bfloat16).train()
     for B, T in [(3, 96), (2, 256)]:
@@ -122,3 +122,50 @@ def test_errors():
     assert plan_main(["--config", "configs/tiny_attn.yaml", "--gpus", "1", "--gpu-memory", "-1"]) == 2
     assert plan_main(["--config", "configs/tiny_attn.yaml", "--gpus", "1", "--gpu-memory", "40",
                       "--micro-batches", "x"]) == 2
+
+
+def test_the_plan_is_of_the_engine_that_trains():
+    """One GPU under parallel.engine auto is the torch engine (the trainer's one process): fp32 weights
+    and gradients, two fp32 moments, no buffers, 16 bytes a parameter; DeepSpeed where asked for. The
+    row the trainer's memory_gib compares with is ``allocated``: ``total`` without slack and context."""
+    cfg = small("fpsa")
+    p = mp.plan(cfg, 1, 80, unroll=False)
+    P = p.states.params_per_rank
+    assert p.engine == "torch" and (p.states.weights, p.states.gradients, p.states.optimizer) == (4 * P, 4 * P, 8 * P)
+    assert p.states.buffers == 0
+    assert p.total(2) == pytest.approx(mp.SLACK * p.allocated(2) + mp.CONTEXT_GIB * mp.GiB)
+    assert mp.plan_engine(small("fpsa", "parallel.zero_stage=1"), 1) == "deepspeed"    # ZeRO asked for
+    assert mp.plan_engine(cfg, 2) == "deepspeed" and mp.model_states(cfg, 1, "deepspeed").buffers > 0
+    with pytest.raises(UserError, match="torch engine trains one process"):
+        mp.plan(small("fpsa", "parallel.engine=torch"), 2, 80)
+
+
+@pytest.mark.slow
+def test_the_head_measured_on_fake_tensors_equals_the_cpu_run():
+    """FakeTensorMode (shapes and dtypes, nothing computed) gives the head's fit of a real CPU run."""
+    for kind, extra in (("attn", ["model.loss_chunk=0"]), ("fpsa", ["model.loss_chunk=128"])):
+        cfg = small(kind, *extra)
+        for engine in ("deepspeed", "torch"):
+            fake = mp.calibrate_head(cfg, 1024, "fake", engine)
+            real = mp.calibrate_head(cfg, 1024, "cpu", engine)
+            assert fake.chunk == real.chunk
+            for a, b in zip(fake.saved + fake.peak, real.saved + real.peak):
+                assert a == pytest.approx(b, rel=1e-6, abs=1e-3), (kind, engine, fake, real)
+
+
+def test_each_distinct_block_is_calibrated_once(monkeypatch):
+    """Thirteen entries of one block (repeat aside) are one calibration, each counted with its repeat;
+    a block that differs in anything else is its own."""
+    import dataclasses
+    calls = []
+    real = mp.calibrate_layer
+    monkeypatch.setattr(mp, "calibrate_layer", lambda cfg, spec, *a: calls.append(spec.type) or real(cfg, spec, *a))
+    cfg = small("attn")
+    block = cfg.model.layers[0]
+    cfg.model.layers = [block] * 12 + [dataclasses.replace(block, repeat=3)]
+    p = mp.plan(cfg, 1, 80, unroll=False)
+    assert calls == ["attn"] and [f.count for f in p.layers] == [2] * 12 + [3]
+    cfg.model.layers = [block, dataclasses.replace(block, checkpoint="block")]
+    calls.clear()
+    mp.plan(cfg, 1, 80, unroll=False)
+    assert calls == ["attn", "attn"]

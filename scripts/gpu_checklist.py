@@ -1,0 +1,282 @@
+"""The GPU checklist: one command, no network, a global deadline; each step's result is appended to
+``<out>/results.jsonl`` as soon as it exists and ``<out>/summary.md`` is rewritten after every step,
+so a timeout (of a step, of the budget, of the whole command) still leaves every finished step.
+
+    bash scripts/gpu_checklist.sh                     # --budget-s 420, into gpu_report/
+    bash scripts/gpu_checklist.sh --budget-s 30 --out /tmp/report
+
+Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
+  env         GPU, driver, torch, Triton, DeepSpeed, and the kernels each layer type will use
+  kernels     tests/ops/test_kernels_on_device.py (the Triton scan, mamba-ssm and flash-attn against
+              the PyTorch paths on the device) and tests/solvers/test_fused.py's quick tests (its kernel
+              tests run under Triton's interpreter, a CPU check: the fused bookkeeping meets the GPU in
+              the ds_* steps below, against the torch loop)
+  ds_zero1 / ds_zero1_torch / ds_zero3 / ds_zero3_torch
+              tiny_mixed in bf16 through ``deepspeed --num_gpus 1`` (20 steps on a GPU, 3 on CPU) with
+              ZeRO-1 and ZeRO-3, the solver's bookkeeping auto (fused on a GPU) and torch (the _torch
+              twins: on a GPU only; on CPU auto is the torch loop)
+  ds_compare  those runs' losses and iterations: fused vs torch bookkeeping the same
+  recipes     bench/gpu.py: a short bf16 run of each configs/125m_*.yaml at its recipe's micro-batch
+              (tokens/s, MFU nominal and executed, peak memory vs fpscale-plan for the same set-up)
+  scan        bench/scan.py
+  solver      bench/solver_overhead.py (host reads, ops and wall time per iteration)
+Each step runs in its own process group, killed whole at its bound: the smaller of its own cap and
+what is left of the budget. A step that cannot start in time is recorded as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESERVE_S = 2.0          # kept back for the summary
+MIN_STEP_S = 5.0         # a step is not started with less than this left
+
+
+def environment_code() -> str:
+    return r"""
+import json, os, subprocess, torch
+import fpscale
+from fpscale.ops.kernel_plan import describe
+try:
+    import triton; tv = triton.__version__
+except Exception as exc: tv = f"absent ({type(exc).__name__})"
+try:
+    import deepspeed; dv = deepspeed.__version__
+except Exception as exc: dv = f"absent ({type(exc).__name__})"
+drv = "-"
+try:
+    drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30).stdout.strip() or "-"
+except Exception: pass
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
+print(json.dumps({"gpu": gpu, "driver": drv, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv,
+                  "deepspeed": dv, "fpscale": fpscale.__version__, "kernels": describe()}))
+"""
+
+
+def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
+    """The steps: name, command, own cap (s), and how to read its result."""
+    launcher = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "0"]
+    tiny = ["--config", "configs/tiny_mixed.yaml", "data.source=synthetic", "train.warmup=1", "train.log_interval=1",
+            "train.eval_interval=1000000", "train.global_batch_tokens=0", "train.resume=none",
+            "train.export_final=false", "train.save_interval=0", f"train.out_dir={out / 'runs'}"]
+    tiny += (["train.steps=20", "data.seq_len=256", "train.global_batch=8", "train.micro_batch=8",
+              "train.precision=bf16"] if gpu else
+             ["train.steps=3", "data.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
+              "train.precision=bf16"])
+    steps = [{"name": "env", "cmd": [py, "-c", environment_code()], "cap": 120, "read": "json"},
+             {"name": "kernels", "cap": 240, "read": "pytest",
+              "cmd": [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                      "tests/ops/test_kernels_on_device.py", "tests/solvers/test_fused.py", "-m", "not slow"]}]
+    for zero in (1, 3):
+        for book in ("auto", "torch") if gpu else ("auto",):       # on CPU auto is the torch loop already
+            name = f"ds_zero{zero}" + ("_torch" if book == "torch" else "")
+            steps.append({"name": name, "cap": 240, "read": "run", "run": out / "runs" / name,
+                          "cmd": [*launcher, "launch/pretrain.py", *tiny, f"name={name}",
+                                  f"parallel.zero_stage={zero}", f"solver.bookkeeping={book}"]})
+    steps.append({"name": "ds_compare", "cap": 30, "read": "json",
+                  "cmd": [py, str(ROOT / "scripts" / "gpu_checklist.py"), "--compare", str(out / "runs")]})
+    recipes = [py, "bench/gpu.py", "--micro", "0", "--no-fit", "--plan", "--no-sdpa-twin",
+               "--out", str(out / "recipes.json")]
+    recipes += (["--warmup", "1", "--steps", "4"] if gpu else
+                ["--warmup", "0", "--steps", "1", "--micro", "1", "--override", "model.d_model=64", "model.n_heads=2",
+                 "data.seq_len=64", "model.vocab_size=512", "data.source=synthetic", "solver.max_iter=8",
+                 "solver.eval_max_iter=8"])
+    steps.append({"name": "recipes", "cmd": recipes, "cap": 300, "read": "bench", "json": out / "recipes.json",
+                  "budget_flag": True})
+    scan = [py, "bench/scan.py", "--out", str(out / "scan.json")]
+    scan += ([] if gpu else ["--device", "cpu", "--repeats", "1", "--B", "1", "--T", "64", "--d-inner", "64"])
+    steps.append({"name": "scan", "cmd": scan, "cap": 120, "read": "bench", "json": out / "scan.json"})
+    solver = [py, "bench/solver_overhead.py", "--out", str(out / "solver.json")]
+    solver += ([] if gpu else ["--d", "32", "--T", "16", "--B", "2", "--max-iter", "8", "--kinds", "fpsa",
+                               "--modes", "implicit", "--threads", "1"])
+    steps.append({"name": "solver", "cmd": solver, "cap": 180, "read": "bench", "json": out / "solver.json"})
+    return steps
+
+
+def run_bounded(cmd: list[str], seconds: float, log: Path, env: dict) -> tuple[int | None, float]:
+    """(exit status, or None if killed at ``seconds``; wall seconds). The command runs in its own
+    process group (session), killed whole at the bound: nothing it started outlives it."""
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=seconds), time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return None, time.monotonic() - t0
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)       # stragglers of a finished step
+            except ProcessLookupError:
+                pass
+
+
+def tail(path: Path, n: int = 6) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def read_result(step: dict, log: Path) -> dict:
+    """What the record says of a finished step beyond its status."""
+    try:
+        if step["read"] == "json":
+            return json.loads(log.read_text().strip().splitlines()[-1])
+        if step["read"] == "pytest":
+            return {"pytest": tail(log, 1)}
+        if step["read"] == "run":
+            rows = [json.loads(line) for line in open(step["run"] / "metrics.jsonl")]
+            train = [r for r in rows if r["kind"] == "train"]
+            return {"losses": [r["loss"] for r in train], "memory_gib": train[-1]["memory_gib"],
+                    "tokens_per_s": train[-1]["tokens_per_s"],
+                    "iters": {n: s["iters_mean"] for n, s in train[-1]["layers"].items()},
+                    "engine": "deepspeed" if "engine deepspeed" in log.read_text() else "?"}
+        if step["read"] == "bench":
+            data = json.loads(Path(step["json"]).read_text())
+            return {k: data[k] for k in ("rows", "read_rows", "time_rows", "skipped", "complete") if k in data}
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
+    return {}
+
+
+def compare(runs: Path) -> int:
+    """ds_compare: fused vs torch bookkeeping give the same losses and iterations, per ZeRO stage."""
+    out, ok = {}, True
+    for zero in (1, 3):
+        if not (runs / f"ds_zero{zero}_torch").exists():
+            out[f"zero{zero}"] = "no fused twin (a CPU: the fused bookkeeping needs a GPU)"
+            continue
+        pair = []
+        for name in (f"ds_zero{zero}", f"ds_zero{zero}_torch"):
+            rows = [json.loads(line) for line in open(runs / name / "metrics.jsonl")]
+            pair.append([r for r in rows if r["kind"] == "train"])
+        a, b = pair
+        dloss = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+        same_iters = all({n: s["iters_mean"] for n, s in x["layers"].items()}
+                         == {n: s["iters_mean"] for n, s in y["layers"].items()} for x, y in zip(a, b))
+        out[f"zero{zero}"] = {"steps": len(a), "max_loss_diff": dloss, "same_iterations": same_iters}
+        ok = ok and len(a) == len(b) and dloss < 5e-2 and same_iters
+    print(json.dumps({**out, "ok": ok}))
+    return 0 if ok else 1
+
+
+def summary(out: Path, records: list[dict], budget: float, started: float) -> None:
+    env = next((r.get("result", {}) for r in records if r["step"] == "env" and r["status"] == "ok"), {})
+    lines = [f"# GPU checklist ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"device: {env.get('gpu', '?')}, driver {env.get('driver', '?')}, torch {env.get('torch', '?')}, "
+             f"triton {env.get('triton', '?')}, deepspeed {env.get('deepspeed', '?')}", "",
+             f"kernels: {env.get('kernels', '?')}", "",
+             f"budget {budget:g} s, used {time.monotonic() - started:.0f} s", "",
+             "| step | status | s | result |", "| --- | --- | --- | --- |"]
+    for r in records:
+        lines.append(f"| {r['step']} | {r['status']} | {r.get('seconds', 0):.0f} | {brief(r)} |")
+    for r in records:
+        if r["step"] == "recipes" and r.get("result", {}).get("rows"):
+            lines += ["", "| config | tokens/s | MFU nominal | MFU executed | peak GiB | plan GiB | iters |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            for row in r["result"]["rows"]:
+                lines.append(f"| {row['config']} | {row['tokens_per_s']:,.0f} | {pct(row.get('mfu_nominal'))} | "
+                             f"{pct(row.get('mfu_executed'))} | {row['peak_gib']:.2f} | "
+                             f"{fmt(row.get('plan_gib'))} | {row['iters']} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def brief(r: dict) -> str:
+    res = r.get("result", {})
+    if r["status"] != "ok":
+        return (r.get("why") or r.get("tail", "")[-160:]).replace("\n", " / ").replace("|", "/")
+    if "losses" in res:
+        return f"losses {' '.join(f'{x:.4f}' for x in res['losses'][-3:])}, {res['memory_gib']:.2f} GiB"
+    if "pytest" in res:
+        return res["pytest"].replace("|", "/")
+    if r["step"] == "ds_compare":
+        return ", ".join(f"{k}: dloss {v['max_loss_diff']:.1e} same iters {v['same_iterations']}"
+                         if isinstance(v, dict) else f"{k}: {v}" for k, v in res.items() if k != "ok")
+    if "rows" in res:
+        return f"{len(res['rows'])} rows" + (f", skipped {', '.join(res['skipped'])}" if res.get("skipped") else "")
+    if "kernels" in res:
+        return res["gpu"]
+    return ", ".join(f"{k}: {len(v) if isinstance(v, list) else v}" for k, v in res.items())[:160]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="the whole checklist's deadline (s)")
+    ap.add_argument("--out", default=str(ROOT / "gpu_report"), help="the report folder (emptied first)")
+    ap.add_argument("--python", default=sys.executable, help="the Python of the steps")
+    ap.add_argument("--compare", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.compare:
+        return compare(Path(args.compare))
+    started = time.monotonic()
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "logs").mkdir(parents=True)
+    import torch
+    gpu = torch.cuda.is_available()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not gpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    records: list[dict] = []
+    results = out / "results.jsonl"
+    print(f"gpu_checklist: {'GPU' if gpu else 'CPU sizes (no GPU)'}, budget {args.budget_s:g} s, report in {out}",
+          flush=True)
+    for step in plan_steps(args.python, gpu, out):
+        left = args.budget_s - (time.monotonic() - started) - RESERVE_S
+        record: dict = {"step": step["name"], "cmd": " ".join(map(str, step["cmd"]))}
+        if left < MIN_STEP_S:
+            record.update(status="skipped", seconds=0.0, why=f"the budget of {args.budget_s:g} s is spent")
+        else:
+            bound = min(step["cap"], left)
+            cmd = list(step["cmd"])
+            if step.get("budget_flag"):          # the bench stops starting runs in time, keeping its rows
+                cmd += ["--budget-s", f"{max(bound - 30, bound / 2):.0f}"]
+            log = out / "logs" / f"{step['name']}.log"
+            rc, seconds = run_bounded(cmd, bound, log, env)
+            record.update(seconds=round(seconds, 1), log=str(log.relative_to(out)))
+            if rc is None:
+                record.update(status="timeout", why=f"killed at its bound of {bound:.0f} s", tail=tail(log))
+            elif rc != 0:
+                record.update(status="fail", rc=rc, tail=tail(log, 15))
+            else:
+                record.update(status="ok", result=read_result(step, log))
+            if step.get("json") and rc is None and Path(step["json"]).exists():
+                record["result"] = read_result(step, log)      # the rows it wrote before the kill
+        records.append(record)
+        with open(results, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        summary(out, records, args.budget_s, started)
+        print(f"  {record['step']:<15} {record['status']:<8} {record.get('seconds', 0):6.1f} s  {brief(record)}",
+              flush=True)
+    bad = [r["step"] for r in records if r["status"] != "ok"]
+    print(f"gpu_checklist: {len(records) - len(bad)}/{len(records)} ok in {time.monotonic() - started:.0f} s"
+          + (f"; not ok: {', '.join(bad)}" if bad else "") + f"; {out / 'summary.md'}", flush=True)
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
