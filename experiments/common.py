@@ -159,8 +159,8 @@ def depth_sweep(trainer, depths: Sequence[int]) -> list[dict]:
 def depth_sweep_from_weights(cfg, weights: str, depths: Sequence[int]) -> list[dict]:
     """The depth sweep of a finished run, from its exported weights (runs/<name>/final)."""
     from fpscale.parallel.state import ParallelState
+    from fpscale.train.build import build_datasets
     from fpscale.train.checkpoint import load_model
-    from fpscale.train.trainer import build_datasets
     from fpscale.train.validation import validate_depths
     model, _ = load_model(weights, cfg=cfg)
     _, val = build_datasets(cfg)

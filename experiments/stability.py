@@ -154,7 +154,7 @@ def main():
     from fpscale.train.checkpoint import load_model
     cfg = fpscale.load_config(CONFIG)
     model, _ = load_model(os.path.join(runs, "stability_core", "final"), cfg=cfg)
-    from fpscale.train.trainer import build_datasets
+    from fpscale.train.build import build_datasets
     cfg.data.path = args.data
     _, val = build_datasets(cfg)
     tokens = val.batch(range(8))[:2, :33] if args.quick else val.batch(range(8))

@@ -23,8 +23,8 @@ import os
 
 from fpscale.parallel.parallelize import parallelize
 from fpscale.train import checkpoint
+from fpscale.train.build import build_datasets
 from fpscale.train.precision import autocast, eval_precision, set_matmul_precision
-from fpscale.train.trainer import build_datasets
 from fpscale.train.validation import validate, validate_depths
 
 

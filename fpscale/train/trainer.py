@@ -16,9 +16,7 @@ import yaml
 
 from fpscale.config import Config, config_to_dict
 from fpscale.data.loader import DistributedBatches
-from fpscale.errors import check
 from fpscale.log import get_logger
-from fpscale.models import build_model
 from fpscale.ops import kernels
 from fpscale.parallel import agree
 from fpscale.parallel.compile import apply_compile
@@ -29,6 +27,7 @@ from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
 from fpscale.solvers.stats import as_dicts
 from fpscale.train import checkpoint, faults
+from fpscale.train.build import build_datasets, check_deep_supervision, initial_model
 from fpscale.train.config import resolve_batch
 from fpscale.train.deepspeed_config import deepspeed_config
 from fpscale.train.flops import peak_tflops, training_flops
@@ -39,41 +38,9 @@ from fpscale.train.precision import autocast, set_matmul_precision
 from fpscale.train.resume import plan_resume, resume
 from fpscale.train.signals import StepBoundary
 from fpscale.train.state import TrainState
-from fpscale.train.validation import depth_scalars, validate, validate_depths
+from fpscale.train.validation import depth_scalars, validate, validate_depths, validation_lines
 
 logger = get_logger(__name__)
-
-
-def build_datasets(cfg: Config):
-    """(train, validation) datasets for the configured source."""
-    d = cfg.data
-    if d.source == "synthetic":
-        from fpscale.data.synthetic import SyntheticTask
-        return (SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed, d.period),
-                SyntheticTask(d.task, cfg.model.vocab_size, d.seq_len, cfg.seed + 1_000_003, d.period))
-    if d.blend:
-        from fpscale.data.blend import open_blend
-        return open_blend(d)
-    from fpscale.data.blend import check_data
-    from fpscale.data.shards import TokenShards
-    check_data(d, cfg.model.vocab_size)           # a Megatron prefix as data.path, the vocabulary
-    train = TokenShards(d.path, "train", d.seq_len)
-    val = TokenShards(d.path, "val", d.seq_len)
-    train.check_vocab(cfg.model.vocab_size)
-    return train, val
-
-
-def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
-    """The plain model every rank starts from: built from ``cfg.seed`` (the same initial weights
-    on every rank), or holding the whole weights of ``train.init_weights``."""
-    torch.manual_seed(cfg.seed)
-    if not cfg.train.init_weights:
-        return build_model(cfg)
-    try:
-        model, _ = checkpoint.load_model(cfg.train.init_weights, state, cfg)
-    except checkpoint.CheckpointError as exc:
-        raise checkpoint.CheckpointError(f"train.init_weights: {exc}") from None
-    return model
 
 
 def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,42 +54,6 @@ def collect_layer_stats(model, into: dict[str, list]) -> None:
     (``as_dicts``)."""
     for name, stats in model.layer_stats().items():
         into.setdefault(name, []).append(stats)
-
-
-def validation_lines(record: dict) -> list[str]:
-    """The console report of a validation record: loss and perplexity, each looped layer's
-    iterations, and the depth sweep when there is one."""
-    lines = [f"validation at step {record['step']}: loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}"]
-    for name, st in record["layers"].items():
-        if "depth_mean" in st:            # a halting layer: expected depth per token, steps run
-            lines.append(f"  {name:<18} depth mean {st['depth_mean']:.2f} p50 {st['depth_p50']:.2f} "
-                         f"p90 {st['depth_p90']:.2f}  steps mean {st['iters_mean']:.2f} max {st['iters_max']:.0f}  "
-                         f"kl {st['kl']:.3f}")
-            continue
-        lines.append(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
-                     f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
-                     f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}")
-    for r in record.get("depths", []):
-        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{st['iters_mean']:.1f}"
-                         for name, st in r["layers"].items())
-        lines.append(f"  depth {r['depth']:>4}: loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"
-                     f"{'  iters ' + iters if iters else ''}")
-    return lines
-
-
-def check_deep_supervision(cfg: Config, dp_size: int) -> None:
-    """Under ZeRO-3 with several data-parallel ranks, a layer with deep supervision gathers the rest of
-    the model's parameters once per window over the DP group: every rank must take the same windows,
-    so the stop is agreed over DP (``solver.agree: dp``; fpscale.layers.deep_supervision)."""
-    if dp_size < 2 or cfg.parallel.zero_stage != 3:
-        return
-    for i, spec in enumerate(cfg.model.layers):
-        if spec.looped and spec.deep_supervision.window > 0:
-            agree = spec.solver.get("agree", cfg.solver.agree)
-            key = f"model.layers.{i}.solver.agree" if "agree" in spec.solver else "solver.agree"
-            check(agree == "dp", key, f"must be dp where model.layers.{i}.deep_supervision is on under ZeRO-3 with "
-                                      f"{dp_size} data-parallel ranks (each window gathers the parameters over DP: "
-                                      f"the ranks must take the same windows), got {agree}")
 
 
 class Trainer:

@@ -96,3 +96,24 @@ def depth_scalars(records: list[dict]) -> dict[str, float]:
         if layers:
             out[f"val_iters_mean_depth_{d}"] = sum(st["iters_mean"] for st in layers) / len(layers)
     return out
+
+
+def validation_lines(record: dict) -> list[str]:
+    """The console report of a validation record: loss and perplexity, each looped layer's
+    iterations, and the depth sweep when there is one."""
+    lines = [f"validation at step {record['step']}: loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}"]
+    for name, st in record["layers"].items():
+        if "depth_mean" in st:            # a halting layer: expected depth per token, steps run
+            lines.append(f"  {name:<18} depth mean {st['depth_mean']:.2f} p50 {st['depth_p50']:.2f} "
+                         f"p90 {st['depth_p90']:.2f}  steps mean {st['iters_mean']:.2f} max {st['iters_max']:.0f}  "
+                         f"kl {st['kl']:.3f}")
+            continue
+        lines.append(f"  {name:<18} iterations mean {st['iters_mean']:.2f} median {st['iters_median']:.0f} "
+                     f"p90 {st['iters_p90']:.0f} max {st['iters_max']:.0f}  converged "
+                     f"{st['converged_fraction']:.0%}  residual p50 {st['residual_p50']:.1e}")
+    for r in record.get("depths", []):
+        iters = " ".join(f"{name.split('.')[-1]}{name.split('.')[1]}:{st['iters_mean']:.1f}"
+                         for name, st in r["layers"].items())
+        lines.append(f"  depth {r['depth']:>4}: loss {r['val_loss']:.4f} ppl {r['val_ppl']:.2f}"
+                     f"{'  iters ' + iters if iters else ''}")
+    return lines

@@ -177,7 +177,7 @@ def test_config_errors_name_the_key():
 
 def test_zero3_over_several_dp_ranks_needs_the_stop_agreed_over_dp():
     """Each window gathers the coda's parameters over DP under ZeRO-3: the Trainer refuses rank-wise stops."""
-    from fpscale.train.trainer import check_deep_supervision
+    from fpscale.train.build import check_deep_supervision
     over = ["model.layers=[{type: attn}, {type: looped, deep_supervision: {window: 2}}, {type: attn}]",
             "parallel.zero_stage=3"]
     cfg = fpscale.load_config(None, over)
