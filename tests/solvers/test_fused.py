@@ -323,14 +323,19 @@ def test_the_kernels_compile_for_an_a100(tmp_path, monkeypatch):
     from triton.compiler import ASTSource
     ptr = {"z": "*{s}", "f": "*bf16", "part": "*{s}", "frozen": "*i8", "tres": "*{s}", "real": "*i8", "best": "*{s}",
            "consts": "*{s}", "res": "*{s}", "sres": "*{s}", "flags": "*i64", "patience": "*i64", "eta": "*{s}",
-           "eta_out": "*{s}", "alive": "*i32", "first_bad": "*i64", "decision": "*i64", "counts": "*i64", "out": "*{s}"}
+           "eta_out": "*{s}", "alive": "*i32", "first_bad": "*i64", "decision": "*i64", "counts": "*i64", "out": "*{s}",
+           "sample": "*i64", "retire": "*i8", "prefix": "*i64", "retired_at": "*i64"}
     launches = [(fused._norms, {"L2": False, "BLOCK_R": 16, "BLOCK_D": 256}),
                 (fused._norms, {"L2": True, "BLOCK_R": 16, "BLOCK_D": 256}),
-                (fused._flags, {"L2": False, "HAS_REAL": True, "BEST": True, "BLOCK_T": 1024}),
+                *[(fused._flags, {"L2": False, "HAS_REAL": True, "BEST": True, "TOKEN": token, "BLOCK_T": 1024})
+                  for token in (False, True)],
                 (fused._decide, {"PATIENCE": True, "AGREE": False, "BLOCK_B": 8}),
                 (fused._decide, {"PATIENCE": False, "AGREE": True, "BLOCK_B": 8}),
-                (fused._agreed, {"BLOCK_B": 8}),
-                (fused._update, {"FREEZE": True, "BLOCK_R": 16, "BLOCK_D": 256})]
+                (fused._tokens, {"PATIENCE": True, "HAS_PREFIX": True, "BLOCK_T": 1024}),
+                (fused._decide_samples, {"AGREE": True, "BLOCK_B": 8}),
+                *[(fused._agreed, {"ETA": eta, "BLOCK_B": 8}) for eta in (False, True)],
+                *[(fused._update, {"FREEZE": True, "TOKEN": token, "BLOCK_R": 16, "BLOCK_D": 256})
+                  for token in (False, True)]]
     for state in ("fp32", "fp64"):
         for kernel, constexprs in launches:
             signature = {name: ("constexpr" if name in constexprs else
