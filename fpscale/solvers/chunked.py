@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from fpscale.solvers.chunk_agree import differs, first_stop, pack_flags, words_for
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import _damped_step, _observe, _per_token, fresh_state, iterate, quantile_limit
 from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, state_dtype
@@ -48,23 +49,34 @@ _UNTRACEABLE: set = set()          # code objects of steps that did not trace as
 
 
 def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
-           min_iter, limit, real, prefix, cfg: SolverConfig, K: int, consensus, state_reduce, agree, group: int = 1):
+           min_iter, limit, bad_at, defer, real, prefix, cfg: SolverConfig, K: int, state_reduce, group: int = 1,
+           verify: bool = False):
     """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
     step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
-    ``cap``, ``min_iter`` and the quantile ``limit`` are device scalars). Returns the state after them."""
+    ``cap``, ``min_iter``, the quantile ``limit``, ``bad_at`` and ``defer`` are device scalars).
+    ``defer`` (``agree: dp``): no stop but the cap, and no update at iteration ``bad_at`` (a replay's
+    non-finite k*); the decision is taken after the chunk over the DP group (fpscale.solvers.chunk_agree).
+    Returns the state after them, the local counts [K, 3] per iteration and (``verify``, TP) the
+    flags packed as words."""
     by_token, tol = cfg.decisions == "token", cfg.tol
+    rows = []
+    words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(words_for(K))]
+    nonfinite_words = [torch.zeros((), dtype=torch.long, device=z.device) for _ in range(words_for(K))]
     for i in range(K):
         k = k0 + (i + 1)
         active = running & (k <= cap)
         fz, res, counts, new_best, new_left, next_eta = _observe(
-            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, agree,
-            group)
+            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, None, state_reduce, None, group)
         with torch.no_grad():
             n_unconverged, movable = counts.sums()
             nonfinite = counts.nonfinite
-            update = active & ~nonfinite          # the eager loop breaks before the update on a non-finite residual
+            # the eager loop breaks before the update on a non-finite residual (under DP: on any rank's)
+            update = active & torch.where(defer, k != bad_at, ~nonfinite)
             best = torch.where(active, new_best, best)
             patience_left = torch.where(active, new_left, patience_left)
+            rows.append(torch.stack([n_unconverged, movable, nonfinite.long()]) * active)
+            if verify:
+                pack_flags(words, nonfinite_words, counts.flags, i, active)
         z_next = _damped_step(z, fz, eta, None, by_token, group)
         if by_token or cfg.freeze_converged:
             z_next = torch.where(_per_token(frozen, z), z, z_next)
@@ -77,12 +89,14 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
             token_res = torch.where(update, res.to(token_res.dtype), token_res)
             eta = torch.where(update, next_eta, eta)
             met, stalled = n_unconverged <= limit, movable == 0
-            stop = active & (nonfinite | ((k >= min_iter) & (met | stalled)))
+            stop = active & ~defer & (nonfinite | ((k >= min_iter) & (met | stalled)))
             code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
             reason = torch.where(stop, code, reason)
             iters = torch.where(active, k, iters)
             running = running & ~stop
-    return z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason
+    packed = torch.cat([torch.stack(nonfinite_words), torch.stack(words).flatten()]) if verify else None
+    return (z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason), torch.stack(rows), \
+        packed
 
 
 _COMPILED: dict = {}               # step code -> its compiled chunk
@@ -149,29 +163,49 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     state = (z, start.eta, start.best, start.patience_left, start.frozen, start.token_res, retired_at,
              scalar(1, torch.bool), scalar(0), scalar(0))
     # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
-    fixed = (scalar(max_iter), scalar(min_iter), scalar(limit), real, prefix, cfg, K, consensus, state_reduce, agree,
-             group)
+    cap, low, lim, never = scalar(max_iter), scalar(min_iter), scalar(limit), scalar(NEVER)
+    defer, verify = agree is not None, consensus is not None
     code = getattr(step, "__code__", None)
-    traced = (COMPILE and not torch.is_grad_enabled() and consensus is None and state_reduce is None
-              and agree is None and code not in _UNTRACEABLE)
-    done, n, why = False, max_iter, 0
-    for k0 in range(0, max_iter, K):
-        args = (step, *state, scalar(k0), *fixed)
+    traced = COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
+
+    def run(state, k0: int, cap, bad_at):
+        nonlocal traced
+        args = (step, *state, scalar(k0), cap, low, lim, bad_at, scalar(defer, torch.bool), real, prefix, cfg, K,
+                state_reduce, group, verify)
         if traced:
             try:
-                state = _compiled_chunk(code)(*args)
+                return _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = False
                 _UNTRACEABLE.add(code)
                 warnings.warn(f"solver.chunk: a solve's step ({getattr(step, '__qualname__', step)}) does not trace "
                               f"as one graph ({type(exc).__name__}); its chunks run eager (one host read per "
-                              f"chunk still)", stacklevel=3)
-                state = _chunk(*args)
-        else:
-            state = _chunk(*args)
+                              f"chunk still)", stacklevel=4)
+        return _chunk(*args)
+
+    done, n, why = False, max_iter, 0
+    for k0 in range(0, max_iter, K):
+        begin = state
+        state, counts, words = run(state, k0, cap, never)
         running, iters, reason = state[7:]
         with torch.no_grad():
-            alive, n, why = torch.stack([running.long(), iters, reason]).tolist()     # the chunk's one read
+            mismatch = differs(consensus, words) if verify else scalar(0, torch.bool)     # TP: one all-reduce
+            if defer:                                                               # DP: one all-reduce
+                stopped, kstar, reason = first_stop(agree(counts), k0, cap, low, lim)
+                running = ~stopped
+            else:
+                kstar = iters
+            alive, n, why, bad, k_star = torch.stack([running.long(), iters, reason, mismatch.long(), kstar]).tolist()
+        if bad:                                                                     # (the chunk's one read)
+            raise RuntimeError(f"solver.chunk = {K} under tensor parallelism: the ranks of a TP group saw different "
+                               f"stop flags in iterations {k0 + 1}..{k0 + K} (a collective or a step that is not "
+                               "bitwise the same on every rank); the chunk agrees once per chunk and needs them "
+                               "equal: set solver.chunk: 0 (the eager loop agrees every iteration)")
+        if defer and not alive:      # the DP group stops at k*: the state there, replayed where the chunk ran past it
+            if k_star < n or why == 4:
+                state, _, _ = run(begin, k0, scalar(k_star), scalar(k_star) if why == 4 else never)
+            n, done = k_star, True
+            break
         if not alive:
             done = True
             break
