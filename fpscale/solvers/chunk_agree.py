@@ -24,6 +24,12 @@ iteration, 31 iterations per int64 word), and one MAX all-reduce of [x, -x] (``d
 whether any rank's words differ. If they do (a collective whose result is not the same on every rank,
 a non-deterministic f), the solve raises an error naming ``solver.chunk`` rather than let the ranks
 go apart (tests/parallel/run_tp_model.py runs every looped type chunked under TP2 and never sees it).
+Except where the ranks hold different entries of one unit: fpsa with ``halting: head`` keeps each
+head's (token, head) entries on the rank that holds the head, with no ``state_reduce``; a token's (or,
+in the adjoint, a sample's) residual is the max over its entries, so each rank sees its own heads'
+and only the MAX over the group is the token's. The layer marks its consensus ``EveryIteration``
+(``FixedPointLayer.entries_split``) and the chunk applies it every iteration inside the chunk, as the
+eager loop does (one small all-reduce per iteration, traced into the compiled chunk like f's own).
 ``state_reduce`` stays per iteration: it completes the norms themselves, and f's own collectives are
 in the step; both are in the traced chunk (dynamo traces ``dist.all_reduce`` as a functional
 collective, gloo included).
@@ -31,6 +37,17 @@ collective, gloo included).
 from __future__ import annotations
 
 import torch
+
+class EveryIteration:
+    """A TP consensus that a chunk applies every iteration (the ranks' flags differ by design)."""
+    every_iteration = True
+
+    def __init__(self, consensus):
+        self.consensus = consensus
+
+    def __call__(self, flags: torch.Tensor) -> torch.Tensor:
+        return self.consensus(flags)
+
 
 BITS = 31           # iterations per int64 word (two flag bits each, the sign bit unused)
 

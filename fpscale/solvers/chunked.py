@@ -50,14 +50,15 @@ _UNTRACEABLE: set = set()          # code objects of steps that did not trace as
 
 def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
            min_iter, limit, bad_at, defer, real, prefix, cfg: SolverConfig, K: int, state_reduce, group: int = 1,
-           verify: bool = False):
+           verify: bool = False, consensus=None):
     """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
     step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
     ``cap``, ``min_iter``, the quantile ``limit``, ``bad_at`` and ``defer`` are device scalars).
     ``defer`` (``agree: dp``): no stop but the cap, and no update at iteration ``bad_at`` (a replay's
     non-finite k*); the decision is taken after the chunk over the DP group (fpscale.solvers.chunk_agree).
     Returns the state after them, the local counts [K, 3] per iteration and (``verify``, TP) the
-    flags packed as words."""
+    flags packed as words. ``consensus`` (TP, fpsa's heads: the flags differ by rank) agrees the flags
+    every iteration, as the eager loop does."""
     by_token, tol = cfg.decisions == "token", cfg.tol
     rows = []
     words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(words_for(K))]
@@ -66,7 +67,8 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
         k = k0 + (i + 1)
         active = running & (k <= cap)
         fz, res, counts, new_best, new_left, next_eta = _observe(
-            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, None, state_reduce, None, group)
+            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, None,
+            group)
         with torch.no_grad():
             n_unconverged, movable = counts.sums()
             nonfinite = counts.nonfinite
@@ -164,14 +166,17 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
              scalar(1, torch.bool), scalar(0), scalar(0))
     # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
     cap, low, lim, never = scalar(max_iter), scalar(min_iter), scalar(limit), scalar(NEVER)
-    defer, verify = agree is not None, consensus is not None
+    # TP: the flags are checked once per chunk, except where the layer says its ranks hold different entries
+    # of a unit (fpsa's heads: a token's flags are the MAX over its heads on every rank, each iteration)
+    per_iteration = consensus if getattr(consensus, "every_iteration", False) else None
+    defer, verify = agree is not None, consensus is not None and per_iteration is None
     code = getattr(step, "__code__", None)
     traced = COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
 
     def run(state, k0: int, cap, bad_at):
         nonlocal traced
         args = (step, *state, scalar(k0), cap, low, lim, bad_at, scalar(defer, torch.bool), real, prefix, cfg, K,
-                state_reduce, group, verify)
+                state_reduce, group, verify, per_iteration)
         if traced:
             try:
                 return _compiled_chunk(code)(*args)
