@@ -9,21 +9,31 @@ past the cap) applies f and then leaves every sample and token as it was (``torc
 iterate, the damping, the residuals, the frozen tokens, ``retired_at``, the iteration count and the
 stop reason are the eager loop's, and so are the gradients (the unroll backward differentiates through the
 selects: the branch not taken gets a zero gradient). The count is not rounded up to the chunk:
-what is wasted is at most K - 1 applications of f after the stop. After each chunk the host reads
+what is wasted is at most K - 1 applications of f after the stop (under ``agree: dp`` up to 2K - 1, once
+per solve: the replay). After each chunk the host reads
 one small tensor [running, iterations, stop reason] (one synchronisation per chunk).
+
+Agreement with the other ranks is once per chunk (fpscale.solvers.chunk_agree): under ``agree: dp`` the
+chunk runs with the stop off except the cap, records its local counts [K, 3], and one SUM all-reduce
+after it gives the first stopping iteration k*, to which the chunk is replayed from its start where it
+ran past it (the same graph: the eager loop's state at k*); under TP the ranks' stop flags, the same
+on every rank, are checked once per chunk (one MAX all-reduce of the packed flags; an error naming
+``solver.chunk`` if they differ) instead of a MAX every iteration; fpsa's heads (``halting: head``), whose
+ranks hold different entries of a token, agree every iteration inside the chunk (``EveryIteration``).
+One host read per chunk either way; the replay adds none.
 
 A chunk is one function of tensors, compiled with ``torch.compile(fullgraph=True, dynamic=False)``
 where it can be traced as one graph: a solve without autograd through the loop (every forward
-solve of the implicit, phantom and jfb backward modes, evaluation) and without collectives
-(no ``consensus``, ``state_reduce`` or ``agree``). The iteration number, the cap, ``min_iter`` and
-the quantile limit enter as device scalars, so neither a different iteration count nor a different
-number of chunks (nor training vs evaluation, nor a new closure per forward) recompiles
-(tests/solvers/test_chunked.py counts it). Elsewhere the same chunk runs eager, still with one host
-read per chunk:
+solve of the implicit, phantom and jfb backward modes, evaluation), under TP and DP too: the chunk
+holds no collective of the solver's (but fpsa heads' consensus), and f's own (TP's all-reduces, the
+norms' ``state_reduce``) trace as functional collectives (gloo included; tests/parallel/run_tp_model.py
+compiles one). The iteration number, the cap, ``min_iter``, the quantile limit, the DP replay's
+cap and non-finite iteration enter as device scalars, so neither a different iteration count nor a
+different number of chunks (nor training vs evaluation, nor a replay, nor a new closure per forward)
+recompiles (tests/solvers/test_chunked.py, test_chunk_agree.py count it). Elsewhere the same chunk
+runs eager, still with one host read per chunk:
   unroll       autograd through K unrolled iterations (compiling it would also save every
                iteration's activations, as the eager unroll does)
-  TP / DP      the stop flags are agreed every iteration, as in the eager loop (a collective, not
-               a host read), so every rank takes the same decisions as the eager loop's
   adjoint      the adjoint's step is ``torch.autograd.grad`` of the recorded f, which dynamo does
                not trace in one graph: the first such step found untraceable is remembered (by its
                code) and its chunks run eager from then on, said once
