@@ -114,15 +114,45 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
 _COMPILED: dict = {}               # step code -> its compiled chunk
 
 
-def _compiled_chunk(code) -> Callable:
+def _compiled_chunk(code, graphed: bool = False) -> Callable:
     """The chunk compiled for the steps of one code object (a layer type's closure): a copy of
     ``_chunk`` with its own code object, so each layer type has its own cache of graphs (dynamo's
     recompile limit counts per code object: the layer types of one model, in training and
-    evaluation, would otherwise share one limit of 8)."""
-    if (code, BACKEND) not in _COMPILED:
+    evaluation, would otherwise share one limit of 8). ``graphed`` (``solver.cuda_graph``): compiled
+    with mode reduce-overhead, Inductor's CUDA graph trees (the graph captured per geometry and dtype,
+    the inputs that are not parameters copied into its static buffers at each replay)."""
+    if (code, BACKEND, graphed) not in _COMPILED:
         own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
-        _COMPILED[code, BACKEND] = torch.compile(own, fullgraph=True, dynamic=False, backend=BACKEND)
-    return _COMPILED[code, BACKEND]
+        how = {"mode": "reduce-overhead"} if graphed else {"backend": BACKEND}       # graphed: Inductor's
+        _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False, **how)
+    return _COMPILED[code, BACKEND, graphed]
+
+
+def _replay(compiled: Callable, args: tuple):
+    """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's
+    outputs may be overwritten), so what the solve keeps is cloned out of the graph's pool."""
+    torch.compiler.cudagraph_mark_step_begin()
+    state, counts, words = compiled(*args)
+    return tuple(t.clone() for t in state), counts.clone(), None if words is None else words.clone()
+
+
+def check_cuda_graph(cfg: SolverConfig, device, tp: int = 1, where: str = "") -> None:
+    """``solver.cuda_graph`` at launch: a CUDA device and no tensor parallelism (errors name the key)."""
+    if not cfg.cuda_graph:
+        return
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"solver.cuda_graph = true{where} captures CUDA graphs: it needs a CUDA device, this run is "
+                         f"on {device}; set solver.cuda_graph: false (solver.chunk still compiles the chunk)")
+    if tp > 1:
+        raise ValueError(f"solver.cuda_graph = true{where} with parallel.tp = {tp}: the chunk would capture f's "
+                         "collectives (not yet checked); set solver.cuda_graph: false or parallel.tp: 1")
+
+
+def check_cuda_graphs(model: torch.nn.Module, device, tp: int = 1) -> None:
+    """``check_cuda_graph`` for every looped layer of ``model`` (the trainer, at launch)."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "solver", None), SolverConfig):
+            check_cuda_graph(module.solver, device, tp, where=f" ({name})")
 
 
 COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
@@ -182,16 +212,23 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     defer, verify = agree is not None, consensus is not None and per_iteration is None
     code = getattr(step, "__code__", None)
     traced = COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
+    graphed = traced and cfg.cuda_graph
+    if cfg.cuda_graph:                  # the launch's check (check_cuda_graph), at the solve
+        if not z0.is_cuda:
+            check_cuda_graph(cfg, z0.device)
+        if consensus is not None or state_reduce is not None:
+            raise ValueError("solver.cuda_graph = true under tensor parallelism: the chunk would capture f's "
+                             "collectives (not yet checked); set solver.cuda_graph: false or parallel.tp: 1")
 
     def run(state, k0: int, cap, bad_at):
-        nonlocal traced
+        nonlocal traced, graphed
         args = (step, *state, scalar(k0), cap, low, lim, bad_at, scalar(defer, torch.bool), real, prefix, cfg, K,
                 state_reduce, group, verify, per_iteration)
         if traced:
             try:
-                return _compiled_chunk(code)(*args)
+                return _replay(_compiled_chunk(code, True), args) if graphed else _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
-                traced = False
+                traced = graphed = False
                 _UNTRACEABLE.add(code)
                 warnings.warn(f"solver.chunk: a solve's step ({getattr(step, '__qualname__', step)}) does not trace "
                               f"as one graph ({type(exc).__name__}); its chunks run eager (one host read per "

@@ -20,6 +20,7 @@ from fpscale.log import get_logger
 from fpscale.ops import kernels
 from fpscale.parallel import agree
 from fpscale.parallel.compile import apply_compile
+from fpscale.solvers.chunked import check_cuda_graphs
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
@@ -94,6 +95,7 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
+        check_cuda_graphs(self.model, self.device, self.state.tp_size)      # solver.cuda_graph: CUDA, no TP
         apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size

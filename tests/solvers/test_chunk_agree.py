@@ -153,3 +153,33 @@ def test_agreed_chunks_compile_as_one_graph(group, monkeypatch):
     assert a.stopped_by == "quantile" and a.iterations % 4 != 0          # the DP solve replayed its last chunk
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+
+
+# ------------------------------------------------------------------------------ solver.cuda_graph
+def test_cuda_graph_settings_name_the_key_and_the_constraint():
+    from fpscale.errors import ConfigError
+    from fpscale.solvers import solve
+    with pytest.raises(ConfigError, match=r"cuda_graph.*solver.chunk > 0"):
+        SolverConfig(cuda_graph=True).validate()
+    with pytest.raises(ConfigError, match=r"cuda_graph.*unroll"):
+        SolverConfig(cuda_graph=True, chunk=4, backward="unroll").validate()
+    SolverConfig(cuda_graph=True, chunk=4).validate()
+    f, z0 = contraction()
+    with pytest.raises(ValueError, match=r"solver.cuda_graph = true captures CUDA graphs: it needs a CUDA device"):
+        with torch.no_grad():
+            solve(f, z0, SolverConfig(cuda_graph=True, chunk=4))
+    with pytest.raises(ValueError, match=r"solver.cuda_graph = true \(layers.0.*\) with parallel.tp = 2"):
+        from tests.models.helpers import tiny_model
+        chunked.check_cuda_graphs(tiny_model("fpsa", solver={"chunk": 4, "cuda_graph": True}), "cuda", 2)
+    with pytest.raises(ValueError, match=r"solver.cuda_graph = true \(layers.0.*\) captures CUDA graphs.*on cpu"):
+        chunked.check_cuda_graphs(tiny_model("fpsa", solver={"chunk": 4, "cuda_graph": True}), "cpu", 1)
+    chunked.check_cuda_graphs(tiny_model("fpsa", solver={"chunk": 4}), "cpu", 2)       # off: nothing to check
+
+
+def test_trainer_refuses_cuda_graph_on_cpu_at_launch(tmp_path):
+    import fpscale
+    from fpscale.train.trainer import Trainer
+    cfg = fpscale.load_config("configs/tiny_mixed.yaml", ["solver.chunk=4", "solver.cuda_graph=true",
+                                                          "data.source=synthetic", f"train.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"solver.cuda_graph = true \(layers.*CUDA device"):
+        Trainer(cfg)
