@@ -147,7 +147,8 @@ def main(argv=None) -> None:
             continue
         for mode in MODES:
             if mode == "graphed" and device.type != "cuda":
-                skipped.append(f"{name} graphed: solver.cuda_graph captures CUDA graphs, no CUDA device here ({device})")
+                skipped.append(f"{name} graphed: solver.cuda_graph captures CUDA graphs, no CUDA device here "
+                               f"({device})")
                 continue
             rows.append(measure(path, mode, args, device))
             save(False)

@@ -33,8 +33,9 @@ class FixedPointLayer(LoopedLayer):
         self.state_sharded = False       # True where the solved state is split over the shards
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
         self.entries_per_token = 1       # entries of the solved state per token (fpsa halting: head: its heads)
-        self.entries_split = False       # True where TP ranks hold different entries of a token (fpsa's heads):
-        #                                  the stop flags then differ by rank and solver.chunk agrees them every iteration
+        # True where TP ranks hold different entries of a token (fpsa's heads): the stop flags then differ
+        # by rank, and solver.chunk agrees them every iteration
+        self.entries_split = False
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+
 class EveryIteration:
     """A TP consensus that a chunk applies every iteration (the ranks' flags differ by design)."""
     every_iteration = True

@@ -20,12 +20,12 @@ from fpscale.log import get_logger
 from fpscale.ops import kernels
 from fpscale.parallel import agree
 from fpscale.parallel.compile import apply_compile
-from fpscale.solvers.chunked import check_cuda_graphs
 from fpscale.parallel.heartbeat import Heartbeat
 from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
+from fpscale.solvers.chunked import check_cuda_graphs
 from fpscale.solvers.stats import as_dicts
 from fpscale.train import checkpoint, faults
 from fpscale.train.build import build_datasets, check_deep_supervision, initial_model

@@ -114,7 +114,8 @@ def run_case(name, overrides, state, tokens, targets, report):
     assert abs(wait - (1 - sum(work) / world / max(work))) < 1e-12, (wait, work)
     spread_agreed, wait_agreed = dp_imbalance(rows_agreed, 1, state)
     assert wait_agreed == 0 and spread_agreed[layer]["iters_dp_max"] == spread_agreed[layer]["iters_dp_mean"]
-    report[name] = {"chunked": list(iterations(chunks)[layer]), "per_rank_forward": fwd, "per_rank_backward": [e[layer][1] for e in every],
+    report[name] = {"chunked": list(iterations(chunks)[layer]),
+                    "per_rank_forward": fwd, "per_rank_backward": [e[layer][1] for e in every],
                     "agreed": list(agreed[layer]), "one_process": list(iterations(whole)[layer]),
                     "dp_wait_est_per_rank_rule": wait, "agree_bytes_per_iteration": 3 * 8}
 
