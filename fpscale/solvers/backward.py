@@ -30,6 +30,15 @@ from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
 
+# Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (f recomputed in each
+# application) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so a chunked
+# adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
+# for fpsa, fpmamba2 and looped (bench/adjoint_vjp.py). Not on by default: fpmamba's scan and the TP
+# mappings are autograd.Functions without ``setup_context``, which torch.func refuses, and f runs
+# forward again in every adjoint iteration (unless the compiler merges the K copies of it in a chunk).
+FUNC_VJP = False
+
+
 def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
                     stats: SolverStats, consensus: Consensus | None,
                     state_reduce: StateReduce | None = None, agree: Agree | None = None) -> torch.Tensor:
@@ -69,6 +78,13 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
         def adjoint_step(u: torch.Tensor) -> torch.Tensor:
             (vjp,) = torch.autograd.grad(fz, z_in, u, retain_graph=True)
             return (vjp + g) * mask
+
+        if FUNC_VJP:
+            z_fixed = z_in.detach()
+
+            def adjoint_step(u: torch.Tensor) -> torch.Tensor:   # noqa: F811 (the experiment's step)
+                (vjp,) = torch.func.vjp(lambda z: f(z).to(z.dtype), z_fixed)[1](u)
+                return (vjp + g) * mask
 
         with torch.no_grad():
             result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,

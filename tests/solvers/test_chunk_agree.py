@@ -183,3 +183,16 @@ def test_trainer_refuses_cuda_graph_on_cpu_at_launch(tmp_path):
                                                           "data.source=synthetic", f"train.out_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"solver.cuda_graph = true \(layers.*CUDA device"):
         Trainer(cfg)
+
+
+@pytest.mark.slow
+def test_func_vjp_adjoint_equals_the_recorded_adjoint(monkeypatch):
+    """The experiment's adjoint step (fpscale.solvers.backward.FUNC_VJP: torch.func.vjp of f at z*) gives
+    the recorded adjoint's training step exactly (fpsa, float64, eager chunks; compiled: bench/adjoint_vjp.py)."""
+    import fpscale.solvers.backward as backward
+    from tests.solvers.test_chunked import step_of
+    la, ga, sa, _ = step_of("fpsa", "implicit", 4)
+    monkeypatch.setattr(backward, "FUNC_VJP", True)
+    lb, gb, sb, _ = step_of("fpsa", "implicit", 4)
+    assert (sb.iterations, sb.backward_iterations) == (sa.iterations, sa.backward_iterations)
+    assert torch.equal(lb, la) and all(torch.equal(a, b) for a, b in zip(ga, gb))
