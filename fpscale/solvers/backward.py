@@ -29,7 +29,6 @@ from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
-
 # Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (f recomputed in each
 # application) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so a chunked
 # adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
