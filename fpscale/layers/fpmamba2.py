@@ -54,8 +54,8 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.fpmamba import FPMambaBlock
-from fpscale.layers.fpmamba_map import scan_flops, shift_in, weight_norm_groups, weight_normed
-from fpscale.layers.mixers import apply_mixer, kronecker_factors, make_mixer_params, mixer_flops, mixer_static
+from fpscale.layers.fpmamba_map import add_mixer_params, scan_flops, shift_in, weight_normed
+from fpscale.layers.mixers import apply_mixer, kronecker_factors, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.step_cache import StepCache, replace
 from fpscale.ops.ssd import ssd
@@ -186,14 +186,7 @@ class FPMamba2Mixer(FixedPointLayer):
         self.out_norm_w = torch.nn.Parameter(torch.ones(di))
         self.w_out = torch.nn.Parameter(torch.empty(d_model, di))
         init_linear(self.w_out, out_std)
-        for name, p in make_mixer_params(spec.mixer, di, spec.mixer_rank, spec.y_feedback, init_std,
-                                         spec.mixer_bias_init, spec.feedback_init).items():
-            self.register_parameter(name, p)
-        self.wn_groups = (weight_norm_groups(spec.mixer, self.y_proj is not None, self.z_y_proj is not None)
-                          if spec.weight_norm else {})
-        for gain, names in self.wn_groups.items():
-            sq = sum(getattr(self, n).detach().pow(2).sum(1) for n in names if getattr(self, n, None) is not None)
-            self.register_parameter(gain, torch.nn.Parameter(sq.sqrt()))
+        add_mixer_params(self, spec, di, init_std)
 
     def tp_plan(self) -> dict[str, TPSplit]:
         """By heads: z, u, dt rows and their conv, A, D, dt bias, the norm, W_zy rows; the y feedback

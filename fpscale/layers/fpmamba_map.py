@@ -70,6 +70,27 @@ def weight_normed(layer, weights: dict, groups: dict[str, tuple[str, ...]]) -> d
     return out
 
 
+def add_mixer_params(layer: torch.nn.Module, spec, di: int, init_std: float) -> None:
+    """Register the state mixer's parameters (fpscale.layers.mixers) on ``layer`` and, with
+    ``weight_norm``, one gain per group: W = g v / ||v||, the stored weights are v and each gain
+    starts at ||v|| (``reset_gains``). FP-Mamba and FP-Mamba2 share it."""
+    for name, p in make_mixer_params(spec.mixer, di, spec.mixer_rank, spec.y_feedback, init_std,
+                                     spec.mixer_bias_init, spec.feedback_init).items():
+        layer.register_parameter(name, p)
+    layer.wn_groups = (weight_norm_groups(spec.mixer, layer.y_proj is not None, layer.z_y_proj is not None)
+                       if spec.weight_norm else {})
+    for gain in layer.wn_groups:
+        layer.register_parameter(gain, torch.nn.Parameter(torch.empty(0)))
+    reset_gains(layer)
+
+
+def reset_gains(layer: torch.nn.Module) -> None:
+    """Each weight-norm gain g = ||v|| of its group's rows: W = g v / ||v|| starts at v."""
+    for gain, names in layer.wn_groups.items():
+        sq = sum(getattr(layer, n).detach().pow(2).sum(1) for n in names if getattr(layer, n, None) is not None)
+        getattr(layer, gain).data = sq.sqrt()
+
+
 class FPMambaMixer(FixedPointLayer):
     def __init__(self, d_model: int, spec, solver, init_std: float, out_std: float, norm_eps: float = 1e-6):
         super().__init__(solver)
@@ -118,21 +139,11 @@ class FPMambaMixer(FixedPointLayer):
             init_linear(w, init_std)
         init_linear(self.dt_proj, self.dt_rank ** -0.5)
         init_linear(self.w_out, out_std)
-        for name, p in make_mixer_params(spec.mixer, di, spec.mixer_rank, spec.y_feedback, init_std,
-                                         spec.mixer_bias_init, spec.feedback_init).items():
-            self.register_parameter(name, p)
-        # weight norm W = g v / ||v||: the stored weights are v, each group's gain g starts at ||v||
-        self.wn_groups = (weight_norm_groups(spec.mixer, self.y_proj is not None, self.z_y_proj is not None)
-                          if spec.weight_norm else {})
-        for gain in self.wn_groups:
-            self.register_parameter(gain, torch.nn.Parameter(torch.empty(0)))
-        self.reset_gains()
+        add_mixer_params(self, spec, di, init_std)
 
     def reset_gains(self) -> None:
         """Each weight-norm gain g = ||v|| of its group's rows: W = g v / ||v|| starts at v."""
-        for gain, names in self.wn_groups.items():
-            sq = sum(getattr(self, n).detach().pow(2).sum(1) for n in names if getattr(self, n, None) is not None)
-            getattr(self, gain).data = sq.sqrt()
+        reset_gains(self)
 
     def init_authors(self, n_layer: int) -> None:
         """``init: authors``: dr-faustus/fp-rnn's initialisation (fpscale.layers.fpmamba_init)."""
