@@ -10,8 +10,8 @@ iterate, the damping, the residuals, the frozen tokens, ``retired_at``, the iter
 stop reason are the eager loop's, and so are the gradients (the unroll backward differentiates through the
 selects: the branch not taken gets a zero gradient). The count is not rounded up to the chunk:
 what is wasted is at most K - 1 applications of f after the stop (under ``agree: dp`` up to 2K - 1, once
-per solve: the replay). After each chunk the host reads
-one small tensor [running, iterations, stop reason] (one synchronisation per chunk).
+per solve: the replay). After each chunk the host reads one small tensor [running, iterations, stop
+reason, TP flags differ, DP k*] (one synchronisation per chunk).
 
 Agreement with the other ranks is once per chunk (fpscale.solvers.chunk_agree): under ``agree: dp`` the
 chunk runs with the stop off except the cap, records its local counts [K, 3], and one SUM all-reduce
@@ -37,6 +37,8 @@ runs eager, still with one host read per chunk:
   adjoint      the adjoint's step is ``torch.autograd.grad`` of the recorded f, which dynamo does
                not trace in one graph: the first such step found untraceable is remembered (by its
                code) and its chunks run eager from then on, said once
+``solver.cuda_graph`` (CUDA): the compiled chunk with mode reduce-overhead, captured and replayed by
+Inductor's CUDA graph trees (``_replay``; ``check_cuda_graph`` refuses it off CUDA and under TP).
 Not supported (an error naming the combination): Anderson mixing (its history is a host-side list).
 ``check_every`` and ``bookkeeping`` do not apply: a chunked solve reads once per chunk and keeps
 its bookkeeping in the traced graph (the compiler fuses it with f).
