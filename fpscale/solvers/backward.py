@@ -32,9 +32,8 @@ from fpscale.solvers.stats import SolverStats
 # Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (f recomputed in each
 # application) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so a chunked
 # adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
-# for fpsa, fpmamba2 and looped (bench/adjoint_vjp.py). Not on by default: fpmamba's scan and the TP
-# mappings are autograd.Functions without ``setup_context``, which torch.func refuses, and f runs
-# forward again in every adjoint iteration (unless the compiler merges the K copies of it in a chunk).
+# (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward). Off: f
+# runs forward again in every adjoint iteration, and the Triton scan (CUDA) is not in torch.func's form.
 FUNC_VJP = False
 
 
