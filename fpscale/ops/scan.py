@@ -92,11 +92,27 @@ def _full_precision(method):
     """Run a pass of the scan outside autocast: its contractions are matmuls, which bf16 autocast
     would run in bf16, and the scan and its state stay in the inputs' precision (float32 in the
     layer: fpscale.solvers.precision)."""
-    def wrapped(*args):                  # (ctx, ...) for the backward, the inputs alone for the forward
+    def wrapped(ctx, *args):
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         with torch.autocast(device.type, enabled=False):
-            return method(*args)
+            return method(ctx, *args)
     return wrapped
+
+
+def _scan_forward(x, dt, A, B, C, h0, chunk):
+    """The scan's forward: y, the last state and the chunk starts the backward reads."""
+    T = x.shape[1]
+    L = max(1, min(chunk, T))
+    A2 = (A * LOG2E).t().contiguous()
+    dtc, wc, Bc, Cc = (_chunked(t, L) for t in (dt, dt * x, B, C))
+    starts, last = _chunk_starts(dtc, wc, Bc, A2, None if h0 is None else h0.transpose(-1, -2))
+    h = starts
+    ys = []
+    for l in range(L):
+        h = _step(h, _decay(dtc, l, A2), wc, Bc, l)
+        ys.append(torch.matmul(Cc[:, :, l, None, :], h).squeeze(-2))       # sum over n
+    y = torch.stack(ys, 2).flatten(1, 2)[:, :T]
+    return y, last.transpose(-1, -2).contiguous(), starts
 
 
 class _SelectiveScan(torch.autograd.Function):
@@ -104,20 +120,9 @@ class _SelectiveScan(torch.autograd.Function):
     are a third output, dropped by ``selective_scan``): torch.func.vjp can differentiate an f that scans
     (the adjoint experiment, fpscale.solvers.backward.FUNC_VJP)."""
     @staticmethod
-    @_full_precision
     def forward(x, dt, A, B, C, h0, chunk):
-        T = x.shape[1]
-        L = max(1, min(chunk, T))
-        A2 = (A * LOG2E).t().contiguous()
-        dtc, wc, Bc, Cc = (_chunked(t, L) for t in (dt, dt * x, B, C))
-        starts, last = _chunk_starts(dtc, wc, Bc, A2, None if h0 is None else h0.transpose(-1, -2))
-        h = starts
-        ys = []
-        for l in range(L):
-            h = _step(h, _decay(dtc, l, A2), wc, Bc, l)
-            ys.append(torch.matmul(Cc[:, :, l, None, :], h).squeeze(-2))       # sum over n
-        y = torch.stack(ys, 2).flatten(1, 2)[:, :T]
-        return y, last.transpose(-1, -2).contiguous(), starts
+        with torch.autocast(x.device.type, enabled=False):      # _full_precision (dynamo binds forward's own
+            return _scan_forward(x, dt, A, B, C, h0, chunk)      # signature: no wrapper around it)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
