@@ -65,12 +65,13 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
            verify: bool = False, consensus=None):
     """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
     step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
-    ``cap``, ``min_iter``, the quantile ``limit``, ``bad_at`` and ``defer`` are device scalars).
-    ``defer`` (``agree: dp``): no stop but the cap, and no update at iteration ``bad_at`` (a replay's
-    non-finite k*); the decision is taken after the chunk over the DP group (fpscale.solvers.chunk_agree).
-    Returns the state after them, the local counts [K, 3] per iteration and (``verify``, TP) the
-    flags packed as words. ``consensus`` (TP, fpsa's heads: the flags differ by rank) agrees the flags
-    every iteration, as the eager loop does."""
+    ``cap``, ``min_iter``, the quantile ``limit`` and ``bad_at`` are device scalars).
+    ``defer`` (``agree: dp``; a Python bool, so a chunk without DP carries none of its ops): no stop but
+    the cap, and no update at iteration ``bad_at`` (a replay's non-finite k*); the decision is taken
+    after the chunk over the DP group (fpscale.solvers.chunk_agree). Returns the state after them,
+    (``defer``) the local counts [K, 3] per iteration and (``verify``, TP) the flags packed as words.
+    ``consensus`` (TP, fpsa's heads: the flags differ by rank) agrees the flags every iteration, as the
+    eager loop does."""
     by_token, tol = cfg.decisions == "token", cfg.tol
     rows = []
     words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(words_for(K))]
@@ -85,10 +86,11 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
             n_unconverged, movable = counts.sums()
             nonfinite = counts.nonfinite
             # the eager loop breaks before the update on a non-finite residual (under DP: on any rank's)
-            update = active & torch.where(defer, k != bad_at, ~nonfinite)
+            update = active & ((k != bad_at) if defer else ~nonfinite)
             best = torch.where(active, new_best, best)
             patience_left = torch.where(active, new_left, patience_left)
-            rows.append(torch.stack([n_unconverged, movable, nonfinite.long()]) * active)
+            if defer:
+                rows.append(torch.stack([n_unconverged, movable, nonfinite.long()]) * active)
             if verify:
                 pack_flags(words, nonfinite_words, counts.flags, i, active)
         z_next = _damped_step(z, fz, eta, None, by_token, group)
@@ -102,15 +104,16 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
                 retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
             token_res = torch.where(update, res.to(token_res.dtype), token_res)
             eta = torch.where(update, next_eta, eta)
-            met, stalled = n_unconverged <= limit, movable == 0
-            stop = active & ~defer & (nonfinite | ((k >= min_iter) & (met | stalled)))
-            code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
-            reason = torch.where(stop, code, reason)
             iters = torch.where(active, k, iters)
-            running = running & ~stop
+            if not defer:
+                met, stalled = n_unconverged <= limit, movable == 0
+                stop = active & (nonfinite | ((k >= min_iter) & (met | stalled)))
+                code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
+                reason = torch.where(stop, code, reason)
+                running = running & ~stop
     packed = torch.cat([torch.stack(nonfinite_words), torch.stack(words).flatten()]) if verify else None
-    return (z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason), torch.stack(rows), \
-        packed
+    counted = torch.stack(rows) if defer else None
+    return (z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason), counted, packed
 
 
 _COMPILED: dict = {}               # step code -> its compiled chunk
@@ -135,7 +138,7 @@ def _replay(compiled: Callable, args: tuple):
     outputs may be overwritten), so what the solve keeps is cloned out of the graph's pool."""
     torch.compiler.cudagraph_mark_step_begin()
     state, counts, words = compiled(*args)
-    return tuple(t.clone() for t in state), counts.clone(), None if words is None else words.clone()
+    return tuple(t.clone() for t in state), *(None if t is None else t.clone() for t in (counts, words))
 
 
 def check_cuda_graph(cfg: SolverConfig, device, tp: int = 1, where: str = "") -> None:
@@ -224,7 +227,7 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
 
     def run(state, k0: int, cap, bad_at):
         nonlocal traced, graphed
-        args = (step, *state, scalar(k0), cap, low, lim, bad_at, scalar(defer, torch.bool), real, prefix, cfg, K,
+        args = (step, *state, scalar(k0), cap, low, lim, bad_at, defer, real, prefix, cfg, K,
                 state_reduce, group, verify, per_iteration)
         if traced:
             try:
