@@ -74,8 +74,9 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
     eager loop does."""
     by_token, tol = cfg.decisions == "token", cfg.tol
     rows = []
-    words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(words_for(K))]
-    nonfinite_words = [torch.zeros((), dtype=torch.long, device=z.device) for _ in range(words_for(K))]
+    W = words_for(K) if verify else 0
+    words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(W)]
+    nonfinite_words = [torch.zeros((), dtype=torch.long, device=z.device) for _ in range(W)]
     for i in range(K):
         k = k0 + (i + 1)
         active = running & (k <= cap)
@@ -246,14 +247,14 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
         state, counts, words = run(state, k0, cap, never)
         running, iters, reason = state[7:]
         with torch.no_grad():
-            mismatch = differs(consensus, words) if verify else scalar(0, torch.bool)     # TP: one all-reduce
+            mismatch = differs(consensus, words) if verify else running               # TP: one all-reduce
             if defer:                                                               # DP: one all-reduce
                 stopped, kstar, reason = first_stop(agree(counts), k0, cap, low, lim)
                 running = ~stopped
             else:
                 kstar = iters
             alive, n, why, bad, k_star = torch.stack([running.long(), iters, reason, mismatch.long(), kstar]).tolist()
-        if bad:                                                                     # (the chunk's one read)
+        if verify and bad:                                                          # (the chunk's one read)
             raise RuntimeError(f"solver.chunk = {K} under tensor parallelism: the ranks of a TP group saw different "
                                f"stop flags in iterations {k0 + 1}..{k0 + K} (a collective or a step that is not "
                                "bitwise the same on every rank); the chunk agrees once per chunk and needs them "
