@@ -11,8 +11,9 @@ the first iteration k* that stops; the chunk's one host read brings [stopped, k*
 before the chunk's last iteration, or is a non-finite one (the eager loop does not apply the update
 there), the chunk is run again from its saved start state with the cap at k* (and the update at k*
 held where it was non-finite): the same graph, so the same iterates, and the state is the eager
-loop's at k*. Cost: one saved start state (references, no copy) and up to K - 1 extra applications of
-f, once per solve.
+loop's at k*. Cost: one saved start state (references, no copy) and, once per solve, the replay's K
+applications of f beside the up to K - 1 past the stop that every chunked solve makes. The counts are
+recorded only in a deferring chunk (``defer`` is a Python bool): a chunk without DP has none of it.
 
 TP (``consensus``): the eager loop takes the MAX of every rank's stop flags every iteration. The flags
 are a function of the residuals, which every TP rank computes from the same numbers: z is replicated
@@ -23,8 +24,8 @@ ranks saw the same ones: each iteration's flags packed as bits (``pack_flags``: 
 iteration, 31 iterations per int64 word), and one MAX all-reduce of [x, -x] (``differs``) tells
 whether any rank's words differ. If they do (a collective whose result is not the same on every rank,
 a non-deterministic f), the solve raises an error naming ``solver.chunk`` rather than let the ranks
-go apart (tests/parallel/run_tp_model.py runs every looped type chunked under TP2 and never sees it).
-Except where the ranks hold different entries of one unit: fpsa with ``halting: head`` keeps each
+go apart (tests/parallel/run_tp_model.py runs every looped type chunked under TP2 and never sees it;
+fpsa with ``halting: head`` did, which is how the exception below was found). Except where the ranks hold different entries of one unit: fpsa with ``halting: head`` keeps each
 head's (token, head) entries on the rank that holds the head, with no ``state_reduce``; a token's (or,
 in the adjoint, a sample's) residual is the max over its entries, so each rank sees its own heads'
 and only the MAX over the group is the token's. The layer marks its consensus ``EveryIteration``
