@@ -37,6 +37,28 @@ from fpscale.solvers.stats import SolverStats
 FUNC_VJP = False
 
 
+class VjpStep:
+    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``FUNC_VJP``).
+    ``per_chunk`` linearises f once and returns the step for a chunk's K applications
+    (fpscale.solvers.chunked calls it at the start of each chunk: f runs forward once per chunk, in
+    the compiled graph too); called directly (the eager loop), it linearises at every application."""
+
+    def __init__(self, f, z_star: torch.Tensor, g: torch.Tensor, mask: torch.Tensor):
+        self.f, self.z_star, self.g, self.mask = f, z_star, g, mask
+
+    def per_chunk(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        _, pull = torch.func.vjp(lambda z: self.f(z).to(z.dtype), self.z_star)
+        g, mask = self.g, self.mask
+
+        def step(u: torch.Tensor) -> torch.Tensor:
+            (vjp,) = pull(u)
+            return (vjp + g) * mask
+        return step
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        return self.per_chunk()(u)
+
+
 def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
                     stats: SolverStats, consensus: Consensus | None,
                     state_reduce: StateReduce | None = None, agree: Agree | None = None) -> torch.Tensor:
@@ -78,11 +100,7 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             return (vjp + g) * mask
 
         if FUNC_VJP:
-            z_fixed = z_in.detach()
-
-            def adjoint_step(u: torch.Tensor) -> torch.Tensor:   # noqa: F811 (the experiment's step)
-                (vjp,) = torch.func.vjp(lambda z: f(z).to(z.dtype), z_fixed)[1](u)
-                return (vjp + g) * mask
+            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (the experiment's step)
 
         with torch.no_grad():
             result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,

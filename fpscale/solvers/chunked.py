@@ -73,6 +73,8 @@ def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, run
     ``consensus`` (TP, fpsa's heads: the flags differ by rank) agrees the flags every iteration, as the
     eager loop does."""
     by_token, tol = cfg.decisions == "token", cfg.tol
+    if hasattr(step, "per_chunk"):          # a step that prepares once per chunk (backward.VjpStep)
+        step = step.per_chunk()
     rows = []
     W = words_for(K) if verify else 0
     words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(W)]
@@ -216,7 +218,7 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
     # of a unit (fpsa's heads: a token's flags are the MAX over its heads on every rank, each iteration)
     per_iteration = consensus if getattr(consensus, "every_iteration", False) else None
     defer, verify = agree is not None, consensus is not None and per_iteration is None
-    code = getattr(step, "__code__", None)
+    code = getattr(step, "__code__", None) or getattr(getattr(step, "per_chunk", None), "__code__", None)
     traced = COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
     graphed = traced and cfg.cuda_graph
     if cfg.cuda_graph:                  # the launch's check (check_cuda_graph), at the solve
