@@ -26,8 +26,9 @@ whether any rank's words differ. If they do (a collective whose result is not th
 a non-deterministic f), the solve raises an error naming ``solver.chunk`` rather than let the ranks
 go apart (tests/parallel/run_tp_model.py runs every looped type chunked under TP2 and never sees it;
 fpsa with ``halting: head`` did, which is how the exception below was found). Except where the ranks
-hold different entries of one unit: fpsa with ``halting: head`` keeps each head's (token, head) entries on the rank that holds the head, with no ``state_reduce``; a token's (or,
-in the adjoint, a sample's) residual is the max over its entries, so each rank sees its own heads'
+hold different entries of one unit: fpsa with ``halting: head`` keeps each head's (token, head) entries
+on the rank that holds the head, with no ``state_reduce``; a token's (or, in the adjoint, a sample's)
+residual is the max over its entries, so each rank sees its own heads'
 and only the MAX over the group is the token's. The layer marks its consensus ``EveryIteration``
 (``FixedPointLayer.entries_split``) and the chunk applies it every iteration inside the chunk, as the
 eager loop does (one small all-reduce per iteration, traced into the compiled chunk like f's own).
