@@ -29,11 +29,11 @@ from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
-# Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (f recomputed in each
-# application) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so a chunked
-# adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
-# (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward). Off: f
-# runs forward again in every adjoint iteration, and the Triton scan (CUDA) is not in torch.func's form.
+# Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (``VjpStep``: f
+# linearised once per chunk) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so
+# a chunked adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint
+# exactly (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward).
+# Off until measured on a GPU; the Triton scan (CUDA) is not in torch.func's form yet.
 FUNC_VJP = False
 
 
