@@ -1,5 +1,6 @@
 """The adjoint's step as ``torch.func.vjp`` inside the compiled chunk (issue 39, an experiment:
-``fpscale.solvers.backward.FUNC_VJP``: f linearised once per chunk, its pullback applied K times), per layer type: does the adjoint chunk trace (no fallback to the
+``fpscale.solvers.backward.FUNC_VJP``: f linearised once per chunk, its pullback applied K times), per
+layer type: does the adjoint chunk trace (no fallback to the
 eager chunk), and is the training step the eager adjoint's (loss, every gradient, iterations)? float64,
 the tiny configs of tests/solvers/test_chunked.py, implicit backward, chunks of 4.
 
