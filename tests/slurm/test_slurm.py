@@ -14,8 +14,7 @@ import pytest
 from tests.parallel.launch import ROOT, run, torchrun_command
 from tests.slurm.cluster import LocalSlurm, install_reason
 
-# one local cluster at a time: under pytest-xdist (scripts/test.sh) every test of this module runs on one worker
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 TRAIN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
          "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=16", "train.warmup=2",
          "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=4", "solver.stop_quantile=0.0",
