@@ -12,6 +12,11 @@
                    launch on a GPU, views included)
     reads_step     host reads of one training step (forward + implicit backward, a live stop):
                    eager loop vs chunked (one per chunk; the adjoint's chunks run eager)
+    coll_step      the solver's collectives in that step as TP and ``agree: dp`` would make them
+                   (the stop flags' consensus, the norms' state_reduce, the DP sum of the counts),
+                   counted on one process through identity stand-ins: eager loop vs chunked (one
+                   consensus and one DP sum per chunk; state_reduce stays per iteration; f's own TP
+                   collectives are not counted)
     cpu_ratio      CPU time per iteration, compiled chunk / eager loop, measured in this one run
                    (a fixed depth, no grad, median of repeats): below 1 the compiled chunk is faster
 And ``train.compile: full`` on a one-layer model: its graph breaks (the solver's host reads) and the
@@ -35,6 +40,7 @@ from torch._inductor import metrics
 
 import fpscale
 import fpscale.solvers.chunked as chunked
+from fpscale.layers.common import Unsharded
 from fpscale.models import ModelConfig, layer_spec
 from fpscale.parallel.compile import apply_compile
 from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
@@ -67,10 +73,36 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def reads_per_step(kind: str, args, chunk: int) -> int:
-    """Host reads of a training step; the chunks run eager here (the reads are one per chunk either
-    way, and a training-mode step would compile the chunk again)."""
-    model = build(kind, args, {**LIVE, "max_iter": args.cap, "backward": "implicit", "chunk": chunk}).train()
+class Counting(Unsharded):
+    """One process standing in for a TP group and a DP group of one: the solver's collectives, counted."""
+
+    def __init__(self):
+        self.size, self.calls = 1, 0
+
+    def consensus(self, flags):
+        self.calls += 1
+        return flags
+
+    def state_reduce(self, t, op):
+        self.calls += 1
+        return t
+
+    def __call__(self, counts):          # the DP agreement (fpscale.parallel.agree)
+        self.calls += 1
+        return counts
+
+
+def reads_per_step(kind: str, args, chunk: int) -> tuple[int, int]:
+    """Host reads and the solver's collectives of a training step; the chunks run eager here (the reads
+    are one per chunk either way, and a training-mode step would compile the chunk again)."""
+    model = build(kind, args, {**LIVE, "max_iter": args.cap, "backward": "implicit", "chunk": chunk,
+                               "agree": "dp"}).train()
+    counting = Counting()
+    for module in model.modules():
+        if hasattr(module, "shards"):
+            module.shards = counting
+        if hasattr(module, "dp_agree"):
+            module.dp_agree = counting
     x = tokens(args, 1)
     chunked.COMPILE = False
     try:
@@ -78,7 +110,7 @@ def reads_per_step(kind: str, args, chunk: int) -> int:
             model(x[:, :-1], targets=x[:, 1:]).backward()
     finally:
         chunked.COMPILE = True
-    return reads.total
+    return reads.total, counting.calls
 
 
 def solver_row(kind: str, args) -> dict:
@@ -108,8 +140,8 @@ def solver_row(kind: str, args) -> dict:
         t_eager = timed(lambda: eager(x), args.repeats)
         t_chunk = timed(lambda: model(x), args.repeats)
     row["cpu_ratio"] = round(t_chunk / t_eager, 3)
-    row["reads_step_eager"] = reads_per_step(kind, args, 0)
-    row["reads_step_chunk"] = reads_per_step(kind, args, K)
+    row["reads_step_eager"], row["coll_step_eager"] = reads_per_step(kind, args, 0)
+    row["reads_step_chunk"], row["coll_step_chunk"] = reads_per_step(kind, args, K)
     return row
 
 
@@ -174,7 +206,7 @@ def main(argv=None):
     print(f"solver.chunk {args.chunk} compiled vs the eager loop, d={args.d} T={args.T} B={args.B}, cap {args.cap}, "
           f"{torch.get_num_threads()} thread(s)")
     print_table(rows, ["layer", "K", "graph_breaks", "recompiles", "graphs", "kernels_iter", "aten_iter", "cpu_ratio",
-                       "reads_step_eager", "reads_step_chunk"])
+                       "reads_step_eager", "reads_step_chunk", "coll_step_eager", "coll_step_chunk"])
     attn = [] if args.no_attn else [attn_row(args)]
     if attn:
         print("\ntrain.compile: blocks, one attn block, a training step (forward + backward)")

@@ -20,6 +20,10 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
               (tokens/s, MFU nominal and executed, peak memory vs fpscale-plan for the same set-up)
   scan        bench/scan.py
   solver      bench/solver_overhead.py (host reads, ops and wall time per iteration)
+  chunks      bench/chunk_timing.py: the solver loop eager vs chunk-compiled vs chunk-graphed
+              (solver.chunk, solver.cuda_graph), per iteration and per training step, for the 125m
+              configs with a chunked solve (on CPU: 125m_fpsa at the recipes step's CPU sizes, the
+              chunk traced with aot_eager, no Inductor build; the graphed column skipped, said why)
 Each step runs in its own process group, killed whole at its bound: the smaller of its own cap and
 what is left of the budget. A step that cannot start in time is recorded as skipped.
 """
@@ -99,6 +103,14 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     solver += ([] if gpu else ["--d", "32", "--T", "16", "--B", "2", "--max-iter", "8", "--kinds", "fpsa",
                                "--modes", "implicit", "--threads", "1"])
     steps.append({"name": "solver", "cmd": solver, "cap": 180, "read": "bench", "json": out / "solver.json"})
+    chunks = [py, "bench/chunk_timing.py", "--out", str(out / "chunks.json")]
+    chunks += (["--warmup", "2", "--steps", "5", "--repeats", "5"] if gpu else
+               ["--configs", "configs/125m_fpsa.yaml", "--backend", "aot_eager", "--micro", "1", "--repeats", "1",
+                "--warmup", "1", "--steps", "1", "--threads", "1", "--override", "model.d_model=64", "model.n_heads=2",
+                "data.seq_len=64", "model.vocab_size=512", "solver.max_iter=8", "solver.eval_max_iter=8",
+                "model.layers.0.repeat=1", "model.layers.2.repeat=1"])
+    steps.append({"name": "chunks", "cmd": chunks, "cap": 240, "read": "bench", "json": out / "chunks.json",
+                  "budget_flag": True})
     return steps
 
 

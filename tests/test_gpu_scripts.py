@@ -73,7 +73,7 @@ def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
     assert result["skipped"] == ["tiny_attn flash=auto", "tiny_fpsa flash=auto"]      # (the fit needs a GPU)
 
 
-STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver"]
+STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver", "chunks"]
 
 
 def records(out) -> list[dict]:
@@ -99,6 +99,9 @@ def test_gpu_checklist_on_cpu_finishes_under_its_budget(tmp_path):
     assert all(row["plan_gib"] is not None for row in recipes)
     summary = (tmp_path / "summary.md").read_text()
     assert "device: none (CPU)" in summary and "| recipes | ok |" in summary and "| 125m_fpsa |" in summary
+    chunks = next(r for r in got if r["step"] == "chunks")["result"]     # issue 39: graphed needs CUDA, said
+    assert [row["mode"] for row in chunks["rows"]] == ["eager", "compiled"], chunks
+    assert any("graphed" in s and "CUDA" in s for s in chunks["skipped"]), chunks
 
 
 @pytest.mark.slow

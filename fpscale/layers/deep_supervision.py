@@ -109,12 +109,12 @@ def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
     agree = layer.dp_agree if cfg.agree == "dp" else None
     if isinstance(plan, Final):
         if cfg.backward in ("implicit", "neumann1"):
-            return attach_implicit(f, plan.z, cfg, plan.stats, layer.shards.consensus, reduce, agree)
+            return attach_implicit(f, plan.z, cfg, plan.stats, layer.consensus(), reduce, agree)
         return phantom(f, plan.z, 1 if cfg.backward == "jfb" else cfg.phantom_steps)
     start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))
     carry = plan.carry if plan.carry is not None else fresh_carry(z0, cfg)
     replay = plan.result is not None
-    result = run_loop(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.shards.consensus,
+    result = run_loop(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.consensus(),
                       state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
                       agree=agree, carry=carry)
     if replay:

@@ -11,6 +11,7 @@ from fpscale.layers.deep_supervision import run_plan
 from fpscale.layers.looping import LoopedLayer
 from fpscale.layers.step_cache import StepCache
 from fpscale.solvers import SolverConfig, SolverStats, solve
+from fpscale.solvers.chunk_agree import EveryIteration
 
 
 class FixedPointLayer(LoopedLayer):
@@ -32,6 +33,9 @@ class FixedPointLayer(LoopedLayer):
         self.state_sharded = False       # True where the solved state is split over the shards
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
         self.entries_per_token = 1       # entries of the solved state per token (fpsa halting: head: its heads)
+        # True where TP ranks hold different entries of a token (fpsa's heads): the stop flags then differ
+        # by rank, and solver.chunk agrees them every iteration
+        self.entries_split = False
         self.cap: int | None = None      # randomised per-step cap (training only)
         self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
@@ -74,6 +78,18 @@ class FixedPointLayer(LoopedLayer):
 
         return no_grad_compiled
 
+    def consensus(self):
+        """The TP group's agreement of the stop flags (None without TP); where the ranks hold different
+        entries of a token (``entries_split``), marked to be taken every iteration by a chunked solve
+        (fpscale.solvers.chunk_agree.EveryIteration: one wrapper per seam, so a compiled chunk keeps its graph)."""
+        consensus = self.shards.consensus
+        if consensus is None or not self.entries_split:
+            return consensus
+        cached = self.__dict__.get("_every_iteration")
+        if cached is None or cached.consensus != consensus:
+            cached = self.__dict__["_every_iteration"] = EveryIteration(consensus)
+        return cached
+
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None, step_cache: StepCache | None = None) -> torch.Tensor:
         """The layer's output for the solve of f from z0 (z*, or f(z*) after it where the backward
@@ -85,7 +101,7 @@ class FixedPointLayer(LoopedLayer):
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
-        z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.shards.consensus,
+        z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus(),
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
                                    real=real, iterate_free=self.iterate_free,
                                    agree=self.dp_agree if self.training and self.solver.agree == "dp" else None,

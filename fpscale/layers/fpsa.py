@@ -212,6 +212,7 @@ class FPSAttention(FixedPointLayer):
         else:
             n_heads, z0 = 1, h
         self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
+        self.entries_split = heads           # under TP each rank holds its own heads' entries
         counter = EntryIterations(self.solver.freeze_converged)
 
         def f(z):

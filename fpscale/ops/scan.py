@@ -99,30 +99,42 @@ def _full_precision(method):
     return wrapped
 
 
+def _scan_forward(x, dt, A, B, C, h0, chunk):
+    """The scan's forward: y, the last state and the chunk starts the backward reads."""
+    T = x.shape[1]
+    L = max(1, min(chunk, T))
+    A2 = (A * LOG2E).t().contiguous()
+    dtc, wc, Bc, Cc = (_chunked(t, L) for t in (dt, dt * x, B, C))
+    starts, last = _chunk_starts(dtc, wc, Bc, A2, None if h0 is None else h0.transpose(-1, -2))
+    h = starts
+    ys = []
+    for l in range(L):
+        h = _step(h, _decay(dtc, l, A2), wc, Bc, l)
+        ys.append(torch.matmul(Cc[:, :, l, None, :], h).squeeze(-2))       # sum over n
+    y = torch.stack(ys, 2).flatten(1, 2)[:, :T]
+    return y, last.transpose(-1, -2).contiguous(), starts
+
+
 class _SelectiveScan(torch.autograd.Function):
+    """In torch.func's form (forward without ctx, ``setup_context``; the chunk starts the backward reads
+    are a third output, dropped by ``selective_scan``): torch.func.vjp can differentiate an f that scans
+    (the adjoint experiment, fpscale.solvers.backward.FUNC_VJP)."""
     @staticmethod
-    @_full_precision
-    def forward(ctx, x, dt, A, B, C, h0, chunk):
-        T = x.shape[1]
-        L = max(1, min(chunk, T))
-        A2 = (A * LOG2E).t().contiguous()
-        dtc, wc, Bc, Cc = (_chunked(t, L) for t in (dt, dt * x, B, C))
-        starts, last = _chunk_starts(dtc, wc, Bc, A2, None if h0 is None else h0.transpose(-1, -2))
-        h = starts
-        ys = []
-        for l in range(L):
-            h = _step(h, _decay(dtc, l, A2), wc, Bc, l)
-            ys.append(torch.matmul(Cc[:, :, l, None, :], h).squeeze(-2))       # sum over n
-        y = torch.stack(ys, 2).flatten(1, 2)[:, :T]
-        ctx.chunk, ctx.has_h0 = L, h0 is not None
+    def forward(x, dt, A, B, C, h0, chunk):
+        with torch.autocast(x.device.type, enabled=False):      # _full_precision (dynamo binds forward's own
+            return _scan_forward(x, dt, A, B, C, h0, chunk)      # signature: no wrapper around it)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dt, A, B, C, h0, chunk = inputs
+        _, last, starts = output
+        ctx.chunk, ctx.has_h0 = max(1, min(chunk, x.shape[1])), h0 is not None
         ctx.save_for_backward(x, dt, A, B, C, starts)
-        last = last.transpose(-1, -2).contiguous()
-        ctx.mark_non_differentiable(last)
-        return y, last
+        ctx.mark_non_differentiable(last, starts)
 
     @staticmethod
     @_full_precision
-    def backward(ctx, gy, _glast):
+    def backward(ctx, gy, _glast, _gstarts):
         x, dt, A, B, C, starts = ctx.saved_tensors
         L, T = ctx.chunk, x.shape[1]
         A2 = (A * LOG2E).t().contiguous()
@@ -178,4 +190,5 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                    h0: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """x, dt: [B, T, c]; A: [c, n] (<= 0); B, C: [B, T, n]; h0: [B, c, n] or None.
     Returns y [B, T, c] and the last state [B, c, n] (not differentiable: the decode cache)."""
-    return _SelectiveScan.apply(x, dt, A, B, C, h0, chunk)
+    y, last, _ = _SelectiveScan.apply(x, dt, A, B, C, h0, chunk)
+    return y, last

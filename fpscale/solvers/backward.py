@@ -29,6 +29,35 @@ from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
 
+# Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (``VjpStep``: f
+# linearised once per chunk) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so
+# a chunked adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint
+# exactly (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward).
+# Off until measured on a GPU; the Triton scan (CUDA) is not in torch.func's form yet.
+FUNC_VJP = False
+
+
+class VjpStep:
+    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``FUNC_VJP``).
+    ``per_chunk`` linearises f once and returns the step for a chunk's K applications
+    (fpscale.solvers.chunked calls it at the start of each chunk: f runs forward once per chunk, in
+    the compiled graph too); called directly (the eager loop), it linearises at every application."""
+
+    def __init__(self, f, z_star: torch.Tensor, g: torch.Tensor, mask: torch.Tensor):
+        self.f, self.z_star, self.g, self.mask = f, z_star, g, mask
+
+    def per_chunk(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        _, pull = torch.func.vjp(lambda z: self.f(z).to(z.dtype), self.z_star)
+        g, mask = self.g, self.mask
+
+        def step(u: torch.Tensor) -> torch.Tensor:
+            (vjp,) = pull(u)
+            return (vjp + g) * mask
+        return step
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        return self.per_chunk()(u)
+
 
 def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Tensor, cfg: SolverConfig,
                     stats: SolverStats, consensus: Consensus | None,
@@ -69,6 +98,9 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
         def adjoint_step(u: torch.Tensor) -> torch.Tensor:
             (vjp,) = torch.autograd.grad(fz, z_in, u, retain_graph=True)
             return (vjp + g) * mask
+
+        if FUNC_VJP:
+            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (the experiment's step)
 
         with torch.no_grad():
             result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,

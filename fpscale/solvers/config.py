@@ -97,6 +97,12 @@ class SolverConfig:
                          device mask, one host read per chunk, each chunk compiled as one graph where
                          it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
                          above (check_every, bookkeeping)
+      cuda_graph         with ``chunk`` > 0, on CUDA: each compiled chunk is captured as a CUDA graph and
+                         replayed (torch.compile mode reduce-overhead: CUDA graph trees, static buffers per
+                         geometry and dtype), so a chunk of K iterations is one graph launch. Needs a traced
+                         chunk: not with backward unroll (its training solve runs under autograd), not under
+                         tensor parallelism (f's collectives in the graph: not yet checked); on another device
+                         an error at launch (fpscale.solvers.chunked.check_cuda_graph)
       compile            torch.compile the layer's iteration step (one application of f, with
                          dynamic=False); the iteration loop stays in Python, so a different
                          iteration count never recompiles. Off until measured on the target device
@@ -132,6 +138,7 @@ class SolverConfig:
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
     chunk: int = 0
+    cuda_graph: bool = False
 
     def validate(self, prefix: str = "") -> None:
         def key(name: str) -> str:
@@ -178,6 +185,11 @@ class SolverConfig:
         check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
         check(not (self.chunk and self.anderson), key("chunk"),
               f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
+        check(not self.cuda_graph or self.chunk > 0, key("cuda_graph"),
+              "captures the compiled chunk: it needs solver.chunk > 0 (K iterations per graph), got chunk = 0")
+        check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),
+              "needs a traced chunk; backward unroll's training solve runs under autograd (not traced, not "
+              "captured): use backward implicit, phantom or jfb, or cuda_graph false")
         check(self.eval_output in ("step", "iterate"), key("eval_output"),
               f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
               f"(the last iterate z*), got {self.eval_output!r}")

@@ -25,6 +25,7 @@ from fpscale.parallel.layers import global_grad_norm
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.random import RNGTracker, seed_default_stream
 from fpscale.parallel.state import ParallelState, init_parallel, new_host_group
+from fpscale.solvers.chunked import check_cuda_graphs
 from fpscale.solvers.stats import as_dicts
 from fpscale.train import checkpoint, faults
 from fpscale.train.build import build_datasets, check_deep_supervision, initial_model
@@ -94,6 +95,7 @@ class Trainer:
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
+        check_cuda_graphs(self.model, self.device, self.state.tp_size)      # solver.cuda_graph: CUDA, no TP
         apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size

@@ -24,6 +24,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 def test_evaluation_iterates_past_the_training_cap():
     cfg = config_from_dict(TINY)
     torch.manual_seed(0)
@@ -55,6 +56,7 @@ def trained(tmp_path_factory):
     return trainer.train(), out / "depths"
 
 
+@pytest.mark.slow
 def test_trainer_validates_at_each_eval_depth(trained):
     history, run = trained
     (val,) = [r for r in history if r["kind"] == "val"]
@@ -73,6 +75,7 @@ def test_trainer_validates_at_each_eval_depth(trained):
             "val/val_iters_mean_depth_4"} <= set(acc.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_evaluate_cli_sweeps_depths(trained, tmp_path, capsys):
     _, run = trained
     ckpt = run / "checkpoints" / "step_00000002"
@@ -94,6 +97,7 @@ def test_evaluate_cli_sweeps_depths(trained, tmp_path, capsys):
     assert "depth sweep" in out and "layers.1.looped" in out
 
 
+@pytest.mark.slow
 def test_evaluate_cli_without_depths_writes_no_sweep(trained, tmp_path):
     _, run = trained
     assert evaluate_main(["--checkpoint", str(run / "checkpoints" / "step_00000002"),

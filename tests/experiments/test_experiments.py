@@ -1,5 +1,6 @@
-"""Each experiment's --quick run, in process (seconds each): it checks the pipeline (training,
-evaluation, the table, the JSON and PNG), not the result."""
+"""Each experiment's --quick run, in process: it checks the pipeline (training, evaluation, the table,
+the JSON and PNG), not the result. Each trains every model of its experiment for a few steps and
+evaluates it (10-60 s on the 2-core machine), so they are in the full suite, not the quick loop."""
 import importlib
 import json
 import sys
@@ -12,6 +13,7 @@ EXPERIMENTS = ["language", "looped_recipe", "state_tracking", "state_tracking_au
                "optimizers", "attractor"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_quick_run(name, tmp_path, monkeypatch, capsys, prepared):
     module = importlib.import_module(f"experiments.{name}")

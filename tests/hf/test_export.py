@@ -25,6 +25,10 @@ TEXTS = ["Fellow-Citizens of the Senate and House of Representatives: the state 
          "  Two  spaces, tabs\tand\nnewlines; unicode: é ☃ 東京. ", "The year 1790 saw 13 states and 3 bills. "]
 
 
+# exports and loads with transformers (seconds each): the full suite, not the quick loop
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> str:
     """A small SentencePiece model trained as fpscale trains its tokenizers."""
@@ -168,7 +172,6 @@ def test_tokenizer_gives_fpscale_ids_and_decodes_exactly(exported, tokenizer):
     assert batch["attention_mask"][:, -1].all()
 
 
-@pytest.mark.slow
 def test_the_folder_loads_where_fpscale_is_not_installed(exported):
     """A fresh interpreter in which importing fpscale fails: the folder loads, runs and generates."""
     _, folder = exported("tiny_mixed_epsilon")

@@ -1,7 +1,9 @@
 """Under torchrun with N processes, each holding one sample: ``solver.agree: dp`` equals one process
 that runs the N samples as one micro-batch (the quantile over the same N samples), float64: the
 mean of the ranks' losses, the DP-averaged gradients and every solve's iterations (forward and
-adjoint) per layer type. Then the default per-rank stop on the same samples: the ranks run
+adjoint) per layer type; and the same with ``solver.chunk: 4`` (issue 39: the counts summed once per
+chunk, a replay to the first stopping iteration; the chunks run eager here) against the one process's
+eager loop: the same iterations, loss and gradients. Then the default per-rank stop on the same samples: the ranks run
 different iterations, which ``fpscale.train.imbalance.dp_imbalance`` reports (and 0 wait with
 agree: dp). Rank 0 writes OUT/report.json (per case: iterations per rank under both rules, the
 bytes of the agreement per iteration) and OUT/ok.
@@ -9,6 +11,7 @@ bytes of the agreement per iteration) and OUT/ok.
     torchrun --nproc_per_node 16 tests/parallel/run_dp_agree.py OUT
 """
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -18,8 +21,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import fpscale  # noqa: E402
+import fpscale.solvers.chunked as chunked  # noqa: E402
 from fpscale.parallel import agree  # noqa: E402
 from fpscale.parallel.state import ParallelState  # noqa: E402
+from fpscale.solvers import SolverConfig  # noqa: E402
 from fpscale.train.imbalance import dp_imbalance  # noqa: E402
 
 BASE = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max_seq_len=16", "data.seq_len=12",
@@ -30,7 +35,10 @@ CASES = {
     "fpsa": ["model.layers.0.type=fpsa", "solver.freeze_converged=true"],
     "fpmamba": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4"],
     "looped": ["model.layers.0.type=looped"],
+    "fpmamba2": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
+                 "solver.tol=1e-3"],
 }
+CHUNK = 4
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
@@ -49,7 +57,11 @@ def run_case(name, overrides, state, tokens, targets, report):
                 p.normal_(0, 0.1)
     mine = copy.deepcopy(whole)
     per_rank = copy.deepcopy(whole)
-    for model in (whole, mine, per_rank):
+    chunks = copy.deepcopy(whole)
+    for module in chunks.modules():
+        if isinstance(getattr(module, "solver", None), SolverConfig):
+            module.solver = dataclasses.replace(module.solver, chunk=CHUNK)
+    for model in (whole, mine, per_rank, chunks):
         model.train()
     loss = whole(tokens, targets=targets)          # one process, the N samples as one micro-batch
     loss.backward()
@@ -68,6 +80,24 @@ def run_case(name, overrides, state, tokens, targets, report):
     agreed = iterations(mine)
     assert agreed == iterations(whole), (name, agreed, iterations(whole))
 
+    # solver.chunk: the agreement once per chunk, as the eager loop's every iteration
+    assert agree.attach(chunks, state) == 1, name
+    chunked.COMPILE = False
+    try:
+        local = chunks(tokens[rank:rank + 1], targets=targets[rank:rank + 1])
+        local.backward()
+    finally:
+        chunked.COMPILE = True
+    losses = torch.tensor([local.item()], dtype=torch.float64)
+    dist.all_reduce(losses)
+    assert abs(losses.item() / world - loss.item()) <= 1e-9 * abs(loss.item()), (name, "chunk", losses.item() / world)
+    grads = dict(chunks.named_parameters())
+    for n, p in whole.named_parameters():
+        g = grads[n].grad.clone()
+        dist.all_reduce(g)
+        assert torch.allclose(g / world, p.grad, **TOL), (name, "chunk", n, (g / world - p.grad).abs().max().item())
+    assert iterations(chunks) == agreed, (name, "chunk", iterations(chunks), agreed)
+
     # the default: each rank stops on its own sample
     local = per_rank(tokens[rank:rank + 1], targets=targets[rank:rank + 1])
     local.backward()
@@ -84,7 +114,8 @@ def run_case(name, overrides, state, tokens, targets, report):
     assert abs(wait - (1 - sum(work) / world / max(work))) < 1e-12, (wait, work)
     spread_agreed, wait_agreed = dp_imbalance(rows_agreed, 1, state)
     assert wait_agreed == 0 and spread_agreed[layer]["iters_dp_max"] == spread_agreed[layer]["iters_dp_mean"]
-    report[name] = {"per_rank_forward": fwd, "per_rank_backward": [e[layer][1] for e in every],
+    report[name] = {"chunked": list(iterations(chunks)[layer]),
+                    "per_rank_forward": fwd, "per_rank_backward": [e[layer][1] for e in every],
                     "agreed": list(agreed[layer]), "one_process": list(iterations(whole)[layer]),
                     "dp_wait_est_per_rank_rule": wait, "agree_bytes_per_iteration": 3 * 8}
 

@@ -7,8 +7,16 @@ supervision windows and the power-iteration vectors must agree. Rank 0 writes OU
 
     torchrun --nproc_per_node 2 tests/parallel/run_tp_model.py OUT
     ONLY=fpsa,looped EXTRA="solver.bookkeeping=fused" TRITON_INTERPRET=1 torchrun ...   # some cases, more overrides
+
+The ``chunk`` cases (issue 39) split the model with ``solver.chunk`` and compare it with the whole model's
+eager loop (``solver.chunk: 0``): the same iterations, loss and gradients, so the chunk's once-per-chunk
+flag check (fpscale.solvers.chunk_agree) stands for the eager loop's consensus of every iteration. Their
+chunks run eager (``chunked.COMPILE`` off: Inductor would take minutes here) except the ``compiled``
+case, whose no-grad forward solve is traced with dynamo (aot_eager backend), collectives of f included.
+``FUNC_VJP=1``: the adjoint experiment (fpscale.solvers.backward.FUNC_VJP) in every case.
 """
 import copy
+import dataclasses
 import os
 import sys
 
@@ -17,9 +25,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import fpscale  # noqa: E402
+import fpscale.solvers.backward as backward  # noqa: E402
+import fpscale.solvers.chunked as chunked  # noqa: E402
 from fpscale.parallel.layers import unshard  # noqa: E402
 from fpscale.parallel.parallelize import parallelize  # noqa: E402
 from fpscale.parallel.state import ParallelState  # noqa: E402
+from fpscale.solvers import SolverConfig  # noqa: E402
 
 BASE = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max_seq_len=16", "data.seq_len=12",
         "solver.stop_quantile=0.0", "solver.tol=1e-6", "solver.max_iter=30"]
@@ -79,6 +90,19 @@ CASES = {
         " backward: implicit, backward_min_iter: 3, backward_tol: 1e-4, mask_unconverged: false, tol: 1e-4}}]"],
     "epsilon-hqsa": ["model.layers.0.type=epsilon", "model.layers.0.max_steps=4", "model.layers.0.bins=4",
                      "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
+    # solver.chunk (issue 39): every looped type chunked under TP2 against the whole model's eager loop
+    "chunk-fpsa-heads-freeze-implicit": ["model.layers.0.type=fpsa", "model.layers.0.halting=head", "solver.chunk=3",
+                                         "solver.freeze_converged=true", "solver.backward=implicit",
+                                         "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+    "chunk-fpmamba-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4", "solver.chunk=4",
+                               "solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60",
+                               "solver.tol=1e-3", "solver.stop_quantile=0.5"],
+    "chunk-fpmamba2-unroll": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
+                              "solver.chunk=4", "solver.backward=unroll", "solver.tol=1e-3", "solver.patience=2",
+                              "solver.decay=0.7"],
+    "chunk-looped-jfb": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.chunk=5",
+                         "solver.backward=jfb"],
+    "chunk-compiled-fpsa-phantom": ["model.layers.0.type=fpsa", "solver.chunk=4", "solver.backward=phantom"],
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
                        "model.layers.0.max_steps=3"],
 }
@@ -90,19 +114,30 @@ TOL = dict(rtol=1e-9, atol=3e-11)
 
 def check_case(name, overrides, state, tokens, targets):
     torch.manual_seed(0)
-    cfg = fpscale.load_config(None, BASE + overrides)
+    chunk = [o for o in overrides if o.startswith("solver.chunk=")]      # the split model's alone
+    cfg = fpscale.load_config(None, BASE + [o for o in overrides if o not in chunk])
     whole = fpscale.build_model(cfg).double()
     with torch.no_grad():                   # a non-zero conv / y-feedback so those paths count
         for n, p in whole.named_parameters():
             if n.endswith(("conv_w", "y_proj")) and p.abs().sum() == 0:
                 p.normal_(0, 0.1)
     split = parallelize(copy.deepcopy(whole), state)
+    for module in split.modules():
+        if chunk and isinstance(getattr(module, "solver", None), SolverConfig):
+            module.solver = dataclasses.replace(module.solver, chunk=int(chunk[0].split("=")[1]))
     whole.train(), split.train()
     losses = []
-    for model in (whole, split):
-        loss = model(tokens, targets=targets)
-        loss.backward()
-        losses.append(loss.item())
+    compiled = "compiled" in name
+    chunked.COMPILE, backend, chunked.BACKEND = compiled, chunked.BACKEND, "aot_eager"
+    try:
+        for model in (whole, split):
+            loss = model(tokens, targets=targets)
+            loss.backward()
+            losses.append(loss.item())
+        if compiled:       # the chunk traced (no warning made it eager): a step of f is in the compiled cache
+            assert chunked._COMPILED and not chunked._UNTRACEABLE, (name, chunked._UNTRACEABLE)
+    finally:
+        chunked.COMPILE, chunked.BACKEND = True, backend
     want, got = losses
     assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
 
@@ -147,6 +182,7 @@ def main(out):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (3, 12), generator=g)
     targets = torch.randint(0, 32, (3, 12), generator=g)
+    backward.FUNC_VJP = os.environ.get("FUNC_VJP") == "1"
     only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba (or fpsa,looped) while debugging
     extra = os.environ.get("EXTRA", "").split()   # overrides for every case (solver.bookkeeping=fused)
     for name, overrides in CASES.items():
