@@ -47,7 +47,7 @@ class VjpStep:
         self.f, self.z_star, self.g, self.mask = f, z_star, g, mask
 
     def per_chunk(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        _, pull = torch.func.vjp(lambda z: self.f(z).to(z.dtype), self.z_star)
+        _, pull = torch.func.vjp(lambda z: self.f(z).to(z.dtype), self.z_star)[:2]     # (output, pullback)
         g, mask = self.g, self.mask
 
         def step(u: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,11 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
     the inputs that are not parameters copied into its static buffers at each replay)."""
     if (code, BACKEND, graphed) not in _COMPILED:
         own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
-        how = {"mode": "reduce-overhead"} if graphed else {"backend": BACKEND}       # graphed: Inductor's
-        _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False, **how)
+        if graphed:          # Inductor's CUDA graph trees
+            _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False,
+                                                              mode="reduce-overhead")
+        else:
+            _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False, backend=BACKEND)
     return _COMPILED[code, BACKEND, graphed]
 
 
