@@ -147,6 +147,10 @@ def _replay(compiled: Callable, args: tuple):
     return tuple(t.clone() for t in state), *(None if t is None else t.clone() for t in (counts, words))
 
 
+_TP_CAPTURE = ("the chunk would capture f's collectives (not yet checked); set solver.cuda_graph: false or "
+               "parallel.tp: 1")
+
+
 def check_cuda_graph(cfg: SolverConfig, device, tp: int = 1, where: str = "") -> None:
     """``solver.cuda_graph`` at launch: a CUDA device and no tensor parallelism (errors name the key)."""
     if not cfg.cuda_graph:
@@ -155,8 +159,7 @@ def check_cuda_graph(cfg: SolverConfig, device, tp: int = 1, where: str = "") ->
         raise ValueError(f"solver.cuda_graph = true{where} captures CUDA graphs: it needs a CUDA device, this run is "
                          f"on {device}; set solver.cuda_graph: false (solver.chunk still compiles the chunk)")
     if tp > 1:
-        raise ValueError(f"solver.cuda_graph = true{where} with parallel.tp = {tp}: the chunk would capture f's "
-                         "collectives (not yet checked); set solver.cuda_graph: false or parallel.tp: 1")
+        raise ValueError(f"solver.cuda_graph = true{where} with parallel.tp = {tp}: {_TP_CAPTURE}")
 
 
 def check_cuda_graphs(model: torch.nn.Module, device, tp: int = 1) -> None:
@@ -228,8 +231,7 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
         if not z0.is_cuda:
             check_cuda_graph(cfg, z0.device)
         if consensus is not None or state_reduce is not None:
-            raise ValueError("solver.cuda_graph = true under tensor parallelism: the chunk would capture f's "
-                             "collectives (not yet checked); set solver.cuda_graph: false or parallel.tp: 1")
+            raise ValueError(f"solver.cuda_graph = true under tensor parallelism: {_TP_CAPTURE}")
 
     def run(state, k0: int, cap, bad_at):
         nonlocal traced, graphed
