@@ -4,6 +4,7 @@ so a timeout (of a step, of the budget, of the whole command) still leaves every
 
     bash scripts/gpu_checklist.sh                     # --budget-s 420, into gpu_report/
     bash scripts/gpu_checklist.sh --budget-s 30 --out /tmp/report
+    bash scripts/gpu_checklist.sh --only env,chunks       # some steps (the rest recorded as skipped)
 
 Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
   env         GPU, driver, torch, Triton, DeepSpeed, and the kernels each layer type will use
@@ -239,8 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="the whole checklist's deadline (s)")
     ap.add_argument("--out", default=str(ROOT / "gpu_report"), help="the report folder (emptied first)")
     ap.add_argument("--python", default=sys.executable, help="the Python of the steps")
+    ap.add_argument("--only", help="run only these steps (comma-separated names; the others are recorded as skipped)")
     ap.add_argument("--compare", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    names = [s["name"] for s in plan_steps("python", True, Path("."))]
+    only = set(args.only.split(",")) if args.only else set(names)
+    if only - set(names):
+        ap.error(f"--only: unknown step(s) {', '.join(sorted(only - set(names)))}; the steps are {', '.join(names)}")
     if args.compare:
         return compare(Path(args.compare))
     started = time.monotonic()
@@ -260,7 +266,9 @@ def main(argv=None) -> int:
     for step in plan_steps(args.python, gpu, out):
         left = args.budget_s - (time.monotonic() - started) - RESERVE_S
         record: dict = {"step": step["name"], "cmd": " ".join(map(str, step["cmd"]))}
-        if left < MIN_STEP_S:
+        if step["name"] not in only:
+            record.update(status="skipped", seconds=0.0, why="not in --only")
+        elif left < MIN_STEP_S:
             record.update(status="skipped", seconds=0.0, why=f"the budget of {args.budget_s:g} s is spent")
         else:
             bound = min(step["cap"], left)
@@ -284,6 +292,7 @@ def main(argv=None) -> int:
         summary(out, records, args.budget_s, started)
         print(f"  {record['step']:<15} {record['status']:<8} {record.get('seconds', 0):6.1f} s  {brief(record)}",
               flush=True)
+    records = [r for r in records if r.get("why") != "not in --only"]
     bad = [r["step"] for r in records if r["status"] != "ok"]
     print(f"gpu_checklist: {len(records) - len(bad)}/{len(records)} ok in {time.monotonic() - started:.0f} s"
           + (f"; not ok: {', '.join(bad)}" if bad else "") + f"; {out / 'summary.md'}", flush=True)
