@@ -10,6 +10,8 @@
     ms_iter    one solver iteration, no grad (evaluation at a fixed depth, tol 0): the time of a
                forward at 3K iterations minus at K, over 2K, over the looped layers (the plain
                blocks cancel out), median of --repeats
+    eager_steps  the steps the compiler refused (their chunks ran eager; the messages: the JSON's
+               ``untraceable``), "none" where every chunk ran compiled
     ms_step    one training step, forward + backward (the config's solver, its live stop; the
                adjoint's chunks run eager), no optimizer step, median of --steps after --warmup;
                iters: the forward iterations of the step, mean over the looped layers
@@ -109,6 +111,10 @@ def measure(path: str, mode: str, args, device) -> dict:
     row["ms_step"] = 1e3 * median_s(step, args.steps, device)
     iters = [s.iterations for s in model.solver_stats().values()]
     row["iters"] = sum(iters) / max(len(iters), 1)
+    # a step the compiler refused runs its chunks eager: the row says which (the JSON has the messages)
+    row["eager_steps"] = ("-" if mode == "eager" else
+                          ", ".join(sorted({n.split(".<locals>")[-1].lstrip(".") for n in chunked.UNTRACEABLE_WHY}))
+                          or "none")
     return row
 
 
@@ -136,7 +142,7 @@ def main(argv=None) -> None:
 
     def save(done: bool) -> None:
         write_json("chunk_timing", {"args": vars(args), "device": str(device), "rows": rows, "skipped": skipped,
-                                    "complete": done}, args.out, quiet=not done)
+                                    "untraceable": dict(chunked.UNTRACEABLE_WHY), "complete": done}, args.out, quiet=not done)
     for path in paths:
         name = Path(path).stem
         if args.budget_s and time.monotonic() - started > args.budget_s:
@@ -159,7 +165,7 @@ def main(argv=None) -> None:
         r["step_vs_eager"] = round(r["ms_step"] / base["ms_step"], 3) if base else None
     print(f"solver loop eager / compiled / graphed on {device}, chunk {args.chunk}, backend {args.backend}")
     print_table(rows, ["config", "mode", "K", "B", "T", "looped_layers", "ms_iter", "iter_vs_eager", "ms_step",
-                       "step_vs_eager", "iters"])
+                       "step_vs_eager", "iters", "eager_steps"])
     for s in skipped:
         print(f"skipped {s}")
     save(True)

@@ -73,7 +73,7 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     tiny = ["--config", "configs/tiny_mixed.yaml", "data.source=synthetic", "train.warmup=1", "train.log_interval=1",
             "train.eval_interval=1000000", "train.global_batch_tokens=0", "train.resume=none",
             "train.export_final=false", "train.save_interval=0", f"train.out_dir={out / 'runs'}"]
-    tiny += (["train.steps=20", "data.seq_len=256", "train.global_batch=8", "train.micro_batch=8",
+    tiny += (["train.steps=20", "data.seq_len=128", "train.global_batch=16", "train.micro_batch=16",
               "train.precision=bf16"] if gpu else
              ["train.steps=3", "data.seq_len=32", "train.global_batch=2", "train.micro_batch=2",
               "train.precision=bf16"])

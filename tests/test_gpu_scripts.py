@@ -122,3 +122,21 @@ def test_gpu_checklist_ends_on_time_and_names_what_it_skipped(tmp_path):
     first_skip = status.index("skipped")
     assert all(s == "skipped" for s in status[first_skip:]), status
     assert (tmp_path / "summary.md").exists() and "skipped" in (tmp_path / "summary.md").read_text()
+
+
+def test_gpu_checklist_gpu_plan_passes_config_validation(tmp_path):
+    """The GPU branch's training runs (never run in CI, which has no GPU) are valid configs: the first
+    GPU run failed all four on data.seq_len 256 > tiny_mixed's max_seq_len 128."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    import fpscale
+    trains = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if "launch/pretrain.py" in s["cmd"]]
+    assert [s["name"] for s in trains] == ["ds_zero1", "ds_zero1_torch", "ds_zero3", "ds_zero3_torch"]
+    for step in trains:
+        cmd = [str(c) for c in step["cmd"]]
+        args = cmd[cmd.index("--config") + 1:]
+        cfg = fpscale.load_config(os.path.join(ROOT, args[0]), args[1:])
+        assert cfg.train.precision == "bf16" and cfg.data.seq_len <= cfg.model.max_seq_len

@@ -58,6 +58,7 @@ from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, state_dtype
 
 STOP_REASONS = ("max_iter", "converged", "quantile", "eta_min", "nonfinite")
 _UNTRACEABLE: set = set()          # code objects of steps that did not trace as one graph
+UNTRACEABLE_WHY: dict[str, str] = {}   # their qualified names -> the compiler's message (the benches record it)
 
 
 def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
@@ -243,9 +244,12 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = graphed = False
                 _UNTRACEABLE.add(code)
-                warnings.warn(f"solver.chunk: a solve's step ({getattr(step, '__qualname__', step)}) does not trace "
-                              f"as one graph ({type(exc).__name__}); its chunks run eager (one host read per "
-                              f"chunk still)", stacklevel=4)
+                name = getattr(step, "__qualname__", str(step))
+                UNTRACEABLE_WHY[name] = f"{type(exc).__name__}: {exc}"
+                first = next((line for line in str(exc).splitlines() if line.strip()), "")[:300]
+                warnings.warn(f"solver.chunk: a solve's step ({name}) does not trace as one graph "
+                              f"({type(exc).__name__}: {first}); its chunks run eager (one host read per chunk "
+                              "still)", stacklevel=4)
         return _chunk(*args)
 
     done, n, why = False, max_iter, 0
