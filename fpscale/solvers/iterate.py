@@ -333,7 +333,10 @@ class _Counts:
             stalled = self.next_eta < self.eta_min
             done = ~self.flags.unconverged | stalled
             before = (prefix <= k) if prefix is not None else torch.ones_like(done[:, 0])
-            upto = torch.cat([before[:, None], done], 1).to(torch.uint8).cummin(1).values.bool()  # [B, 1 + T]
+            # [B, 1 + T]: every entry so far done, as a count of the not-done ones (int32, not a uint8 cummin:
+            # Inductor's Triton code for that held a uint8 constant -1 that Triton 3.6 refuses, so the chunk
+            # never compiled on the first GPU run, torch 2.11)
+            upto = (~torch.cat([before[:, None], done], 1)).to(torch.int32).cumsum(1) == 0
             if group == 1:
                 return upto[:, 1:], upto[:, -1]
             own = (res < tol) | stalled.repeat_interleave(group, 1)     # an entry's own test (per head)

@@ -212,3 +212,27 @@ def test_compiled_chunks_train_as_eager(monkeypatch):
     torch.testing.assert_close(lb, la, rtol=1e-10, atol=0)
     for a, b in zip(ga, gb):
         torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["fpsa", "fpmamba"])
+def test_compiled_chunk_graph_holds_no_uint8(kind, monkeypatch):
+    """The chunk's graph as dynamo hands it to the compiler holds no uint8 tensor: on the first GPU run
+    (torch 2.11, Triton 3.6) Inductor built a uint8 constant -1 for the prefix rule's cummin and Triton
+    refused it, so no chunk compiled there. Device-independent: the graph is the same on CPU."""
+    seen: set = set()
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            val = node.meta.get("example_value")
+            for t in (val if isinstance(val, (tuple, list)) else (val,)):
+                if isinstance(t, torch.Tensor):
+                    seen.add(t.dtype)
+        return gm.forward
+    monkeypatch.setattr(chunked, "BACKEND", record)
+    model = tiny_model(kind, solver={"tol": 1e-3, "max_iter": 8, "chunk": 4}).eval()
+    x = token_batches(32, n=1, batch=2, seq=8)[0]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model(x)
+    assert torch.bool in seen and torch.long in seen, seen       # the chunk was traced
+    assert torch.uint8 not in seen, seen
