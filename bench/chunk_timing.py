@@ -142,7 +142,8 @@ def main(argv=None) -> None:
 
     def save(done: bool) -> None:
         write_json("chunk_timing", {"args": vars(args), "device": str(device), "rows": rows, "skipped": skipped,
-                                    "untraceable": dict(chunked.UNTRACEABLE_WHY), "complete": done}, args.out, quiet=not done)
+                                    "untraceable": dict(chunked.UNTRACEABLE_WHY), "complete": done},
+                   args.out, quiet=not done)
     for path in paths:
         name = Path(path).stem
         if args.budget_s and time.monotonic() - started > args.budget_s:

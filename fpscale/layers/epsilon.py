@@ -214,6 +214,21 @@ class EpsilonLayer(LoopedLayer):
             flag = self.shards.consensus(flag)
         return bool(flag.item())
 
+    def compile_regions(self) -> tuple[str, ...]:
+        """What ``train.compile: blocks`` compiles (fpscale.parallel.compile): one step of the loop, the
+        block and its halting head, one graph for every step (the step's head comes in as a tensor);
+        the halting update (a few elementwise operations on the running sums, whose autograd status
+        changes after the first step) and the host read between steps stay outside. Decoding (``past``
+        given) runs it eager."""
+        return ("halting_step",)
+
+    def halting_step(self, h, running, w_t, b_t, ffn_w, cos, sin, pad, real, past: dict | None = None):
+        """One application of the block, a halted token's state kept, and this step's halting
+        probability: (h, lambda_t, cache entry, bin assignment)."""
+        new_h, entry, assign = self.block(h, ffn_w, cos, sin, past, pad, real)
+        h = torch.where(running[..., None], new_h, h)
+        return h, torch.sigmoid(wide(linear(h, w_t, b_t)))[..., 0], entry, assign
+
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
@@ -227,13 +242,12 @@ class EpsilonLayer(LoopedLayer):
         y = torch.zeros_like(h)
         entries, entropy = [], None
         for t in range(steps):
-            new_h, entry, assign = self.block(h, ffn_w, cos, sin, past[t] if past else None, pad, real)
+            h, lam, entry, assign = self.halting_step(h, halting.running, self.w_halt[t:t + 1], self.b_halt[t:t + 1],
+                                                      ffn_w, cos, sin, pad, real, past=past[t] if past else None)
             entries.append(entry)
             if t == 0 and assign is not None:     # the authors' entropy term: the first step's bins
                 entropy = self.shards.exit(assignment_entropy(assign) / self.n_heads)
-            h = torch.where(halting.running[..., None], new_h, h)        # a halted token stays put
-            lam = torch.sigmoid(wide(linear(h, self.w_halt[t:t + 1], self.b_halt[t:t + 1])))
-            y = y + halting.step(lam[..., 0], last=t == steps - 1)[..., None] * h
+            y = y + halting.step(lam, last=t == steps - 1)[..., None] * h
             if not self.any_running(halting.running):
                 break
         if cache is not None:

@@ -9,7 +9,10 @@
                fpsa, fpmamba(2)     the MLP sublayer after the solve (``mlp_sublayer``); the solve
                                     itself is the solver's (``solver.compile`` compiles its step,
                                     ``solver.chunk`` its iterations: docs/solver.md)
-               looped, epsilon      nothing: every sublayer lies inside the solve / halting loop
+               epsilon              one step of the halting loop (``halting_step``: the block and
+                                    its halting head; one graph for every step, the halting update
+                                    and the host read between steps outside)
+               looped               nothing: every sublayer lies inside the solve
              each region compiled with ``fullgraph=True`` (a graph break is an error, not a slow
              path). A region that cannot compile (a graph break, a backend failure) is named once in
              a warning and runs eager from then on; a call with a decoding cache or a position
@@ -55,12 +58,13 @@ class CompiledRegion:
 
     def __init__(self, eager: Callable, label: str, backend: str = "inductor"):
         self.eager, self.label = eager, label
+        self.is_forward = getattr(eager, "__name__", "") == "forward"
         self.compiled = torch.compile(eager, fullgraph=True, backend=backend)
         self.failed: str | None = None
         functools.update_wrapper(self, eager)
 
     def __call__(self, *args, **kwargs):
-        if self.failed is not None or _decoding(args, kwargs) or torch.compiler.is_compiling():
+        if self.failed is not None or _decoding(self.is_forward, args, kwargs) or torch.compiler.is_compiling():
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
@@ -71,8 +75,11 @@ class CompiledRegion:
             return self.eager(*args, **kwargs)
 
 
-def _decoding(args, kwargs) -> bool:
-    """A block's forward(x, pos, cache, pad) called to decode: a cache, or a position past 0."""
+def _decoding(is_forward: bool, args, kwargs) -> bool:
+    """A block's forward(x, pos, cache, pad) called to decode: a cache, or a position past 0; another
+    region (epsilon's halting_step): a ``past`` cache entry given."""
+    if not is_forward:
+        return kwargs.get("past") is not None
     pos = kwargs.get("pos", args[1] if len(args) > 1 else 0)
     cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
     return cache is not None or (isinstance(pos, int) and pos != 0)

@@ -96,3 +96,32 @@ def test_a_region_that_cannot_compile_says_which_and_runs_eager():
 def test_compile_key_is_validated():
     with pytest.raises(ConfigError, match="train.compile"):
         fpscale.load_config(None, ["train.compile=regions"])
+
+
+def test_epsilon_halting_step_compiles_once_for_every_depth():
+    """epsilon under ``train.compile: blocks``: its halting step (block, halting head, update) is one
+    graph for every step of the loop; 5 training steps that halt after 1, 3, 5, 2 and 8 steps (halting
+    biases of -1e4 before that step and +1e4 at it) run with no graph break and no recompilation, and the
+    gradients are eager's. aot_eager: dynamo's counters without Inductor's build."""
+    from torch._dynamo.utils import counters
+    model, eager = tiny_model("epsilon"), tiny_model("epsilon")
+    assert apply_compile(model, "blocks", backend="aot_eager") == ["layers.0.halting_step"]
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for depth in (1, 3, 5, 2, 8):
+        grads = []
+        for m in (eager, model):
+            with torch.no_grad():
+                m.layers[0].b_halt.fill_(-1e4)              # no token halts before ...
+                m.layers[0].b_halt[depth - 1] = 1e4          # ... this step, where all do
+            m.zero_grad(set_to_none=True)
+            m(tokens, targets=tokens).backward()
+            assert m.layers[0].last_stats.iterations == depth
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert not model.layers[0].halting_step.failed
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
