@@ -2,6 +2,7 @@
 work in bf16 as in fp32, through a plain ``.to(torch.bfloat16)``, autocast (one-process bf16
 training) and DeepSpeed's bf16 engine (tests/parallel/run_precision.py)."""
 import copy
+import functools
 import os
 import warnings
 
@@ -21,7 +22,10 @@ def load(name: str, precision: str):
         return fpscale.load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [f"train.precision={precision}"])
 
 
+@functools.lru_cache(maxsize=None)
 def fp32_reference(name: str, training: bool):
+    """fp32's iterations on ``token_batches`` (and the batches): computed once per config and mode for
+    the file (the quick tests and each rank of the DeepSpeed test read the same; nothing mutates them)."""
     cfg = load(name, "fp32")
     torch.manual_seed(cfg.seed)                    # the Trainer's initial weights
     model = fpscale.build_model(cfg)

@@ -48,6 +48,22 @@ def torchrun(nproc: int, script: str, args: list[str], timeout: float = 300) -> 
     return run(torchrun_command(nproc, script, *args), timeout)
 
 
+def layout_cases(nproc: int, out_dir, cases: dict[str, list[str]], timeout_each: float = 300) -> dict[str, list]:
+    """tests/parallel/run_layout.py's ``cases`` ({name: its arguments}) one after the other in ONE
+    launch of ``nproc`` ranks (``nproc`` 1: one plain process, as one_process_reference), each into its
+    own folder ``out_dir/name``: what a launch per case proved, without a start per case. The launch's
+    timeout is the cases' (``timeout_each``) summed. Every case's ranks (read_ranks), by name."""
+    args: list[str] = []
+    for name, case in cases.items():
+        path = os.path.join(str(out_dir), name)
+        os.makedirs(path)
+        args += [*(["--then"] if args else []), path, *case]
+    script = "tests/parallel/run_layout.py"
+    run(torchrun_command(nproc, script, *args) if nproc > 1 else [sys.executable, script, *args],
+        timeout=timeout_each * len(cases))
+    return {name: read_ranks(os.path.join(str(out_dir), name)) for name in cases}
+
+
 def one_process_reference(out_dir: str, *args: str) -> dict:
     """tests/parallel/run_layout.py on one process (the reference a layout is compared with)."""
     run([sys.executable, "tests/parallel/run_layout.py", out_dir, *args], timeout=300)

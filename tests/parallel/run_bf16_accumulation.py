@@ -3,12 +3,14 @@ defaults (gradients accumulated over micro-batches and reduced over ranks in bf1
 before it asked for fp32) and bf16 as fpscale configures it now (accumulated and reduced in fp32).
 Used by tests/parallel/test_bf16_accumulation.py.
 
-    torchrun --nproc_per_node 2 tests/parallel/run_bf16_accumulation.py OUT_DIR ZERO_STAGE SEEDS [key=value ...]
+    torchrun --nproc_per_node 2 tests/parallel/run_bf16_accumulation.py OUT_DIR PLAN [key=value ...]
 
-SEEDS: comma-separated seeds (model initialisation and data), each run in the three variants.
-Writes rank{RANK}.json: per seed and variant the loss and gradient norm of every step, the first
-step's accumulated and reduced gradient's distance to fp32's (relative), the DeepSpeed optimizer
-wrapper, the data types DeepSpeed resolved and the accumulation steps.
+PLAN: ZERO_STAGE:SEEDS pairs joined by "/", e.g. ``1:1,2,3,4/0:1`` (ZeRO-1 with seeds 1-4, then
+ZeRO-0 with seed 1): every ZeRO stage the tests need in one launch (one process group, one import of
+torch and DeepSpeed). SEEDS: comma-separated seeds (model initialisation and data), each run in the
+three variants. Writes rank{RANK}.json: per ZeRO stage, seed and variant the loss and gradient norm
+of every step, the first step's accumulated and reduced gradient's distance to fp32's (relative),
+the DeepSpeed optimizer wrapper, the data types DeepSpeed resolved and the accumulation steps.
 """
 import json
 import os
@@ -55,7 +57,7 @@ def train(out: str, zero: str, seed: str, precision: str, old: bool, extra: list
         warnings.simplefilter("ignore")        # bf16 raises solver tolerances to its floor, with a warning
         cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_attn.yaml"),
                                   BASE + [f"parallel.zero_stage={zero}", f"train.precision={precision}",
-                                          f"seed={seed}", f"train.out_dir={out}", f"name={precision}{old}{seed}",
+                                          f"seed={seed}", f"train.out_dir={out}", f"name=z{zero}{precision}{old}{seed}",
                                           *extra])
     trainer_module.deepspeed_config = deepspeed_defaults if old else CURRENT
     try:
@@ -74,19 +76,21 @@ def train(out: str, zero: str, seed: str, precision: str, old: bool, extra: list
 
 
 def main():
-    out, zero, seeds, extra = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
+    out, plan, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     report, last = {}, None
-    for seed in seeds:
-        runs = {}
-        for variant, precision, old in VARIANTS:
-            if last is not None:        # one process group for every run: the last one closes it
-                last.owns_state = False
-                last.close()
-            runs[variant], last = train(out, zero, seed, precision, old, extra)
-        reference = runs["fp32"]["first_grad"]
-        for record in runs.values():    # the first step's gradient against fp32's, relative
-            record["first_grad_error"] = float((record.pop("first_grad") - reference).norm() / reference.norm())
-        report[seed] = runs
+    for pair in plan.split("/"):
+        zero, seeds = pair.split(":")
+        for seed in seeds.split(","):
+            runs = {}
+            for variant, precision, old in VARIANTS:
+                if last is not None:        # one process group for every run: the last one closes it
+                    last.owns_state = False
+                    last.close()
+                runs[variant], last = train(out, zero, seed, precision, old, extra)
+            reference = runs["fp32"]["first_grad"]
+            for record in runs.values():    # the first step's gradient against fp32's, relative
+                record["first_grad_error"] = float((record.pop("first_grad") - reference).norm() / reference.norm())
+            report.setdefault(zero, {})[seed] = runs
     with open(os.path.join(out, f"rank{last.state.rank}.json"), "w") as fh:
         json.dump(report, fh)
     last.close()

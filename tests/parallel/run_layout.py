@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/parallel/run_layout.py OUT_DIR zero_stage=3 [key=value ...]
     python tests/parallel/run_layout.py OUT_DIR                         # the one-process reference
+    torchrun --nproc_per_node 2 tests/parallel/run_layout.py OUT_A zero_stage=1 --then OUT_B nan_at=2 ...
+The second form runs several cases one after the other in one launch (one process group, one import
+of torch and DeepSpeed for all: a launch per case spent most of its time starting); each case builds
+its own Trainer (seeded by its config as in a launch of its own), writes into its own OUT_DIR and
+counts its own collectives. launch.layout_cases starts it.
 Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
 ``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss);
 ``plugin=module`` imports a module first (one that registers a layer type of its own).
@@ -15,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -53,12 +59,24 @@ def main():
     import torch
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    cases, case = [], []
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            cases.append(case)
+            case = []
+        else:
+            case.append(arg)
+    cases.append(case)
     with checked_collectives(device) as checked:       # before DeepSpeed looks the collectives up
-        run(checked)
+        for i, (out, *args) in enumerate(cases):
+            before = Counter(checked)
+            run(checked, out, args, last=i == len(cases) - 1, before=before)
 
 
-def run(checked):
-    out, args = sys.argv[1], sys.argv[2:]
+def run(checked, out: str, args: list[str], last: bool = True, before: Counter | None = None):
+    """One case: train as ``args`` say and write OUT/rank{RANK}.json (its collectives: those since
+    ``before``). Every case but the last leaves the process group to the next one (the last one
+    destroys it, on every rank together)."""
     zero = [a.split("=")[1] for a in args if a.startswith("zero_stage=")]
     rank_tol = [a.split("=")[1] for a in args if a.startswith("rank_tol=")]
     nan_at = [int(a.split("=")[1]) for a in args if a.startswith("nan_at=")]
@@ -76,6 +94,7 @@ def run(checked):
         overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
     cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", config), overrides)
     trainer = Trainer(cfg, log=False)
+    trainer.owns_state = last               # the first case initialised the process group, the later ones reuse it
     if nan_at and rank == trainer.state.world_size - 1:
         trainer.model.embed.register_forward_hook(
             lambda m, i, out: out * float("nan") if trainer.step == nan_at[0] else out)
@@ -93,7 +112,7 @@ def run(checked):
                   if not getattr(p, "tensor_model_parallel", False) and p.numel() > 0}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"steps": steps, "val_loss": val["val_loss"], "world": trainer.state.world_size,
-                   "replicated": replicated, "checked_collectives": dict(checked),
+                   "replicated": replicated, "checked_collectives": dict(checked - (before or Counter())),
                    **({"deep_supervision": ds_steps} if with_ds else {})}, fh)
     trainer.close()
 

@@ -61,17 +61,28 @@ def distance(curve: list[float], reference: list[float]) -> float:
     return sum(abs(a - b) for a, b in zip(curve, reference))
 
 
-def compare(tmp_path, zero: int, seeds: str) -> dict:
+# every ZeRO stage the two-rank tests read, in ONE launch (one process group, one import of torch and
+# DeepSpeed, instead of a launch per stage): ZeRO-1 with four seeds for the loss curves, the others seed 1
+PLAN = {1: "1,2,3,4", 0: "1", 2: "1", 3: "1"}
+
+
+@pytest.fixture(scope="module")
+def accumulation(tmp_path_factory) -> dict:
     """run_bf16_accumulation.py on 2 ranks: tiny_attn, micro-batch 1 and 64 micro-batches per rank
-    and step, 5 steps, in fp32, bf16 as DeepSpeed defaults it (the old config) and bf16 now."""
-    torchrun(2, "tests/parallel/run_bf16_accumulation.py", [str(tmp_path), str(zero), seeds, "train.global_batch=128"],
-             timeout=600)
-    ranks = read_ranks(str(tmp_path))
+    and step, 5 steps, in fp32, bf16 as DeepSpeed defaults it (the old config) and bf16 now; per ZeRO
+    stage of PLAN, per seed. Rank 0's report, {zero: {seed: {variant: record}}}."""
+    out = tmp_path_factory.mktemp("bf16_accumulation")
+    plan = "/".join(f"{zero}:{seeds}" for zero, seeds in PLAN.items())
+    torchrun(2, "tests/parallel/run_bf16_accumulation.py", [str(out), plan, "train.global_batch=128"],
+             timeout=600 * len(PLAN))          # the four launches' 600 s each, in one
+    ranks = read_ranks(str(out))
     assert len(ranks) == 2
-    for seed, runs in ranks[0].items():          # losses are DP means: the same on both ranks
-        assert all(runs[k]["loss"] == ranks[1][seed][k]["loss"] for k in runs)
-        assert runs["fp32"]["grad_accum"] == 64
-        print(f"ZeRO-{zero} seed {seed}:", json.dumps({k: v["loss"] for k, v in runs.items()}))
+    assert sorted(ranks[0]) == sorted(str(z) for z in PLAN)
+    for zero, seeds in ranks[0].items():
+        for seed, runs in seeds.items():        # losses are DP means: the same on both ranks
+            assert all(runs[k]["loss"] == ranks[1][zero][seed][k]["loss"] for k in runs)
+            assert runs["fp32"]["grad_accum"] == 64
+            print(f"ZeRO-{zero} seed {seed}:", json.dumps({k: v["loss"] for k, v in runs.items()}))
     return ranks[0]
 
 
@@ -83,14 +94,16 @@ def resolved(runs: dict) -> list[tuple]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fp32_accumulation_brings_the_bf16_loss_curve_closer_to_fp32(tmp_path):
+@pytest.mark.timeout(600 * len(PLAN) + 60)   # the first test to ask for the fixture waits for its launch
+def test_fp32_accumulation_brings_the_bf16_loss_curve_closer_to_fp32(accumulation):
     """ZeRO-1, four seeds (weights and data). Per seed, the first step's accumulated and reduced
     gradient (same weights, same batches) is measured against fp32's: bf16 accumulation adds an
     error larger than bf16 compute's own (0.84% against 0.38% here, every seed). The loss curves
     over 5 steps follow it less tightly (AdamW steps every weight by about lr whatever the size of
     its gradient, so rounding noise in small gradients moves the loss too): summed over the seeds,
     the new config's curves are closer to fp32 (0.70 of the old distance here)."""
-    report = compare(tmp_path, 1, "1,2,3,4")
+    report = accumulation["1"]
+    assert sorted(report) == ["1", "2", "3", "4"]
     old_total = new_total = 0.0
     for seed, runs in report.items():
         assert resolved(runs) == [
@@ -108,13 +121,14 @@ def test_fp32_accumulation_brings_the_bf16_loss_curve_closer_to_fp32(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600 * len(PLAN) + 60)
 @pytest.mark.parametrize("zero", [0, 2, 3])
-def test_each_zero_stage_accumulates_and_reduces_as_configured(tmp_path, zero):
+def test_each_zero_stage_accumulates_and_reduces_as_configured(accumulation, zero):
     """ZeRO-2 and ZeRO-3 keep their gradient partitions and reduce in fp32: the first step's
     gradient is as close to fp32's as bf16 compute allows. ZeRO-0 reduces in fp32 but accumulates in
     bf16 (DeepSpeed 0.19.8 has no fp32 accumulation without ZeRO); on 2 ranks an fp32 sum of two bf16
     gradients rounds back to what bf16 gives, so its runs are the old ones exactly."""
-    runs = compare(tmp_path, zero, "1")["1"]
+    runs = accumulation[str(zero)]["1"]
     old, new = runs["bf16_old"], runs["bf16_new"]
     if zero == 0:
         assert resolved(runs) == [("torch.float32", "torch.float32", "torch.float32", "AdamW"),
@@ -136,10 +150,38 @@ BF16_RUN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "
             "train.keep_last=0", "train.export_final=false", "solver.stop_quantile=0.0", "train.precision=bf16"]
 
 
-def pretrain(out, name: str, zero: int, timeout: float = 300):
-    return run(torchrun_command(2, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *BF16_RUN,
-                                f"parallel.zero_stage={zero}", f"train.out_dir={out}", f"name={name}"),
-               timeout=timeout)
+STAGES = (0, 1, 2, 3)
+TAG = "step_00000002"
+RUN_TIMEOUT = 300           # what one launch of launch/pretrain.py had; a launch of n runs has n times it
+# the resumed runs: each ZeRO stage's own step-2 checkpoint, and ZeRO-1's continued on ZeRO-2 (universal)
+RESUMES = {**{f"resumed{zero}": (zero, f"straight{zero}") for zero in STAGES}, "zero1_on_zero2": (2, "straight1")}
+
+
+def pretrain_runs(out, runs: dict[str, int]) -> dict[str, str]:
+    """tests/parallel/run_pretrain_runs.py: launch/pretrain.py's runs ``{name: zero stage}`` on tiny_mixed
+    (BF16_RUN) one after the other in one launch of 2 ranks; rank 0's log of each run."""
+    proc = run(torchrun_command(2, "tests/parallel/run_pretrain_runs.py", "configs/tiny_mixed.yaml",
+                                ",".join(f"{name}:{zero}" for name, zero in runs.items()), *BF16_RUN,
+                                f"train.out_dir={out}"), timeout=RUN_TIMEOUT * len(runs))
+    logs = {}
+    for name in runs:
+        start = proc.stdout.index(f"=== run {name} ===")
+        logs[name] = proc.stdout[start:proc.stdout.index(f"=== end {name} ===", start)]
+    return logs
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory) -> tuple:
+    """tiny_mixed (every layer type) in bf16 on 2 ranks with 2 micro-batches per rank, on every ZeRO
+    stage: 4 steps with a checkpoint every 2 (one launch for the four stages); then, in a second launch
+    (fresh processes), each stage's step-2 checkpoint resumed on its stage, and ZeRO-1's on ZeRO-2.
+    (the run folder, rank 0's log of each resumed run)"""
+    out = tmp_path_factory.mktemp("bf16_runs")
+    pretrain_runs(out, {f"straight{zero}": zero for zero in STAGES})
+    for name, (_, source) in RESUMES.items():
+        os.makedirs(out / name / "checkpoints")
+        shutil.copytree(out / source / "checkpoints" / TAG, out / name / "checkpoints" / TAG)
+    return out, pretrain_runs(out, {name: zero for name, (zero, _) in RESUMES.items()})
 
 
 def train_records(run_dir) -> dict[int, dict]:
@@ -149,19 +191,17 @@ def train_records(run_dir) -> dict[int, dict]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_every_zero_stage_trains_bf16_saves_and_resumes_exactly(tmp_path, zero):
+@pytest.mark.timeout(RUN_TIMEOUT * (len(STAGES) + len(RESUMES)) + 60)   # the first test waits for both launches
+@pytest.mark.parametrize("zero", STAGES)
+def test_every_zero_stage_trains_bf16_saves_and_resumes_exactly(bf16_runs, zero):
     """tiny_mixed (every layer type) in bf16 on 2 ranks with 2 micro-batches per rank: 4 steps with
     a checkpoint every 2, then the step-2 checkpoint resumed in a fresh run: steps 3-4 as before."""
-    pretrain(tmp_path, "straight", zero)
-    want = train_records(tmp_path / "straight")
+    out, logs = bf16_runs
+    want = train_records(out / f"straight{zero}")
     assert sorted(want) == [1, 2, 3, 4] and all(math.isfinite(want[s]["loss"]) for s in want)
-    tag = "step_00000002"
-    os.makedirs(tmp_path / "resumed" / "checkpoints")
-    shutil.copytree(tmp_path / "straight" / "checkpoints" / tag, tmp_path / "resumed" / "checkpoints" / tag)
-    proc = pretrain(tmp_path, "resumed", zero)
-    assert "resumed from" in proc.stdout and tag in proc.stdout, proc.stdout[-3000:]
-    got = train_records(tmp_path / "resumed")
+    log = logs[f"resumed{zero}"]
+    assert "resumed from" in log and TAG in log, log[-3000:]
+    got = train_records(out / f"resumed{zero}")
     assert sorted(got) == [3, 4]
     for step in got:
         assert got[step]["loss"] == want[step]["loss"], (zero, step)
@@ -170,16 +210,14 @@ def test_every_zero_stage_trains_bf16_saves_and_resumes_exactly(tmp_path, zero):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_bf16_zero1_checkpoint_resumes_on_zero2_through_a_universal_checkpoint(tmp_path):
+@pytest.mark.timeout(RUN_TIMEOUT * (len(STAGES) + len(RESUMES)) + 60)
+def test_a_bf16_zero1_checkpoint_resumes_on_zero2_through_a_universal_checkpoint(bf16_runs):
     """ZeRO-1 in bf16 now saves BF16_Optimizer's shards; DeepSpeed's universal checkpoint still
     converts them, and ZeRO-2 continues the run where ZeRO-1 left it."""
-    pretrain(tmp_path, "zero1", 1)
-    tag = "step_00000002"
-    os.makedirs(tmp_path / "zero2" / "checkpoints")
-    shutil.copytree(tmp_path / "zero1" / "checkpoints" / tag, tmp_path / "zero2" / "checkpoints" / tag)
-    proc = pretrain(tmp_path, "zero2", 2)
-    assert "through a universal checkpoint" in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-3000:]
-    got, want = train_records(tmp_path / "zero2"), train_records(tmp_path / "zero1")
+    out, logs = bf16_runs
+    log = logs["zero1_on_zero2"]
+    assert "through a universal checkpoint" in log and "resumed from" in log, log[-3000:]
+    got, want = train_records(out / "zero1_on_zero2"), train_records(out / "straight1")
     assert sorted(got) == [3, 4]
     for step in got:             # bf16 forward on the same weights; fp32 reductions in another order
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3), step

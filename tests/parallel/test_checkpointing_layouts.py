@@ -10,11 +10,28 @@ again in backward, so the run all-gathers more often than without checkpointing.
 """
 import pytest
 
-from tests.parallel.launch import one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import layout_cases, one_process_reference
 
 pytestmark = pytest.mark.multiprocess
-SCRIPT = "tests/parallel/run_layout.py"
 DROPOUT = ["model.dropout=0.2", "model.attn_dropout=0.2"]
+LAYOUTS = {"tp2": ["parallel.tp=2", "zero_stage=1"], "dp2-zero3": ["zero_stage=3", "model.d_model=384"]}
+RESIDUAL = ["model.dropout=0.2", "train.steps=3"]
+# every two-rank run of this file, each as in a launch of its own (400 s each), in ONE launch
+CASES = {**{f"{name}-{mode}": [*layout, *DROPOUT, "train.steps=3", *(["model.checkpoint=block"] if mode == "block"
+                                                                      else [])]
+            for name, layout in LAYOUTS.items() for mode in ("none", "block")},
+         "tp2-block-residual": ["parallel.tp=2", "zero_stage=1", "model.checkpoint=block", *RESIDUAL]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list]:
+    """run_layout.py's CASES on 2 ranks, one after the other in one launch: each case's ranks."""
+    ranks = layout_cases(2, tmp_path_factory.mktemp("ckpt"), CASES, timeout_each=400)
+    assert all(len(r) == 2 for r in ranks.values())
+    return ranks
+
+
+WAITS = pytest.mark.timeout(400 * len(CASES) + 60)      # the first test to ask for ``two_ranks`` waits for it
 
 
 def losses(run):
@@ -22,37 +39,27 @@ def losses(run):
     return [x for s in run["steps"] for x in (s["loss"], s["grad_norm"])]
 
 
-def train(path, nproc, *args):
-    path.mkdir()
-    torchrun(nproc, SCRIPT, [str(path), *args], timeout=400)
-    ranks = read_ranks(str(path))
-    assert len(ranks) == nproc
-    return ranks
-
-
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "zero_stage=1"], ["zero_stage=3", "model.d_model=384"]],
-                         ids=["tp2", "dp2-zero3"])
-def test_block_checkpointing_trains_as_none_on_a_layout(tmp_path, layout):
-    args = [*layout, *DROPOUT, "train.steps=3"]
-    none = train(tmp_path / "none", 2, *args)
-    block = train(tmp_path / "block", 2, *args, "model.checkpoint=block")
+@WAITS
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_block_checkpointing_trains_as_none_on_a_layout(two_ranks, layout):
+    none, block = two_ranks[f"{layout}-none"], two_ranks[f"{layout}-block"]
     for got, want in zip(block, none):
         assert losses(got) == pytest.approx(losses(want), rel=1e-6)
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
         assert got["replicated"] == pytest.approx(want["replicated"], rel=1e-6)
-    if "zero_stage=3" in layout:      # the recomputed modules gathered their weights again
+    if "zero_stage=3" in LAYOUTS[layout]:      # the recomputed modules gathered their weights again
         gathers = [sum(n for k, n in r["checked_collectives"].items() if k.startswith("all_gather"))
                    for r in (block[0], none[0])]
         assert gathers[0] > gathers[1] > 0, gathers
 
 
-def test_block_checkpointing_under_tp2_trains_as_one_process(tmp_path):
+@WAITS
+def test_block_checkpointing_under_tp2_trains_as_one_process(tmp_path, two_ranks):
     """Residual dropout only (its masks are one process's on every TP shard): TP2 with block
     checkpointing gives one process's losses (fpscale's TP tolerance)."""
-    args = ["model.dropout=0.2", "train.steps=3"]
     (tmp_path / "one").mkdir()
-    one = one_process_reference(str(tmp_path / "one"), *args)
-    for r in train(tmp_path / "tp2", 2, "parallel.tp=2", "zero_stage=1", "model.checkpoint=block", *args):
+    one = one_process_reference(str(tmp_path / "one"), *RESIDUAL)
+    for r in two_ranks["tp2-block-residual"]:
         for got, want in zip(r["steps"], one["steps"]):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

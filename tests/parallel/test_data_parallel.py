@@ -2,18 +2,38 @@
 
 import pytest
 
-from tests.parallel.launch import assert_deep_supervision_matches, one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import (
+    assert_deep_supervision_matches,
+    layout_cases,
+    one_process_reference,
+    read_ranks,
+    torchrun,
+)
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = "tests/parallel/run_layout.py"
+NAN_LAYOUTS = ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"]
+# every two-rank case of this file, each run as in a launch of its own (300 s each), in ONE launch
+CASES = {**{f"dp2-zero{z}": [f"zero_stage={z}", *(["ds=1"] if z == 3 else [])] for z in range(4)},
+         "uneven-zero3": ["zero_stage=3", "rank_tol=5e-1,1e-7", "solver.max_iter=60"],
+         "agree-zero1": ["zero_stage=1", "rank_tol=5e-1,1e-7", "solver.max_iter=12", "solver.agree=dp"],
+         **{f"nan-{layout}": ["nan_at=2", *([layout] if "zero" in layout else [layout, "zero_stage=1"])]
+            for layout in NAN_LAYOUTS}}
+WAITS = pytest.mark.timeout(300 * len(CASES) + 60)      # the first test to ask for ``two_ranks`` waits for it
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list]:
+    """run_layout.py's CASES on 2 ranks, one after the other in one launch: each case's ranks."""
+    return layout_cases(2, tmp_path_factory.mktemp("dp2"), CASES)
+
+
+@WAITS
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_dp2_matches_one_process(tmp_path, reference, zero_stage):
+def test_dp2_matches_one_process(two_ranks, reference, zero_stage):
     """ZeRO-3 also trains a looped core with deep supervision (``ds=1``, solver.agree: dp) in the same
     processes: DP2 with micro-batch 4 = one process with the 8."""
-    torchrun(2, SCRIPT, [str(tmp_path), f"zero_stage={zero_stage}", *(["ds=1"] if zero_stage == 3 else [])])
-    ranks = read_ranks(str(tmp_path))
+    ranks = two_ranks[f"dp2-zero{zero_stage}"]
     if zero_stage == 3:
         assert_deep_supervision_matches(ranks, reference)
     assert len(ranks) == 2 and ranks[0]["world"] == 2
@@ -29,22 +49,21 @@ def test_dp2_matches_one_process(tmp_path, reference, zero_stage):
             assert step[0]["iterations"][layer] + step[1]["iterations"][layer] == counts
 
 
-def test_zero3_with_uneven_convergence_across_ranks_finishes(tmp_path):
+@WAITS
+def test_zero3_with_uneven_convergence_across_ranks_finishes(two_ranks):
     """DP ranks take different numbers of solver iterations (own tolerances); ZeRO-3 must not hang."""
-    torchrun(2, SCRIPT, [str(tmp_path), "zero_stage=3", "rank_tol=5e-1,1e-7", "solver.max_iter=60"], timeout=300)
-    r0, r1 = read_ranks(str(tmp_path))
+    r0, r1 = two_ranks["uneven-zero3"]
     differ = [layer for layer in r0["steps"][0]["iterations"]
               if r0["steps"][0]["iterations"][layer] != r1["steps"][0]["iterations"][layer]]
     assert {"layers.1.fpsa", "layers.2.fpmamba"} <= set(differ), (r0["steps"][0], r1["steps"][0])
     assert all(s["grad_norm"] == s["grad_norm"] for s in r0["steps"])     # finite, not NaN
 
 
-def test_agree_dp_makes_ranks_with_uneven_tolerances_run_the_same_iterations(tmp_path):
+@WAITS
+def test_agree_dp_makes_ranks_with_uneven_tolerances_run_the_same_iterations(two_ranks):
     """solver.agree: dp through the trainer (ZeRO-1): the ranks' own tolerances differ, yet every
     solve stops when the DP group's decision says so, on both ranks at the same iteration."""
-    torchrun(2, SCRIPT, [str(tmp_path), "zero_stage=1", "rank_tol=5e-1,1e-7", "solver.max_iter=12",
-                         "solver.agree=dp"], timeout=300)
-    r0, r1 = read_ranks(str(tmp_path))
+    r0, r1 = two_ranks["agree-zero1"]
     assert [s["iterations"] for s in r0["steps"]] == [s["iterations"] for s in r1["steps"]]
     assert all(s["grad_norm"] == s["grad_norm"] for s in r0["steps"])
 
@@ -54,13 +73,13 @@ def reference_nan(tmp_path_factory):
     return one_process_reference(str(tmp_path_factory.mktemp("ref_nan")), "nan_at=2")
 
 
-@pytest.mark.parametrize("layout", ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"])
-def test_one_rank_nan_skips_the_step_on_every_rank(tmp_path, reference_nan, layout):
+@WAITS
+@pytest.mark.parametrize("layout", NAN_LAYOUTS)
+def test_one_rank_nan_skips_the_step_on_every_rank(two_ranks, reference_nan, layout):
     """The last rank's loss is NaN in step 2: every rank skips that update (the global gradient norm
     is not finite everywhere) and goes on exactly as one process that skipped the same step."""
     assert [s["skipped"] for s in reference_nan["steps"]] == [False, False, True, False, False]
-    torchrun(2, SCRIPT, [str(tmp_path), "nan_at=2", *([layout] if "zero" in layout else [layout, "zero_stage=1"])])
-    for r in read_ranks(str(tmp_path)):
+    for r in two_ranks[f"nan-{layout}"]:
         assert [s["skipped"] for s in r["steps"]] == [False, False, True, False, False]
         for i, (got, want) in enumerate(zip(r["steps"], reference_nan["steps"])):
             if i != 2:

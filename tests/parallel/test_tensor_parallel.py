@@ -6,9 +6,34 @@ import pytest
 import fpscale
 from fpscale.parallel.parallelize import parallelize
 from fpscale.parallel.state import ParallelState
-from tests.parallel.launch import assert_deep_supervision_matches, one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import assert_deep_supervision_matches, layout_cases, read_ranks, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
+DAMPED = ["plugin=tests.layers.damped_mlp", "config=tiny_attn.yaml",
+          "model.layers=[{type: attn}, {type: damped_mlp, scale: 0.6, solver: {max_iter: 12, tol: 1e-4}}, "
+          "{type: attn}]"]
+RESIDUAL = ["model.dropout=0.2"]
+# every two-rank case of this file, each as in a launch of its own (400 s or 300 s), in ONE launch
+TP2 = {"tp2-zero0": (["parallel.tp=2", "zero_stage=0"], 400), "tp2-zero1": (["parallel.tp=2", "zero_stage=1"], 400),
+       "tp2-zero3": (["parallel.tp=2", "zero_stage=3", "ds=1"], 400),
+       "damped": (["parallel.tp=2", "zero_stage=1", *DAMPED], 300),
+       "dropout": (["parallel.tp=2", "zero_stage=1", *RESIDUAL], 300),
+       "dropout-attn": (["parallel.tp=2", "zero_stage=1", *RESIDUAL, "model.attn_dropout=0.2"], 300)}
+# and the one-process references these need besides the session's ``reference``, in one process
+ONE = {"damped": DAMPED, "dropout": RESIDUAL}
+WAITS = pytest.mark.timeout(sum(t for _, t in TP2.values()) + 300 * len(ONE) + 60)   # the first test waits
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list]:
+    """run_layout.py's TP2 cases on 2 ranks, one after the other in one launch: each case's ranks."""
+    longest = max(t for _, t in TP2.values())
+    return layout_cases(2, tmp_path_factory.mktemp("tp2"), {k: args for k, (args, _) in TP2.items()}, longest)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, dict]:
+    return {k: ranks[0] for k, ranks in layout_cases(1, tmp_path_factory.mktemp("one"), ONE).items()}
 
 
 @pytest.mark.multiprocess
@@ -20,14 +45,18 @@ def test_every_layer_type_split_over_tp_equals_the_whole_model(tmp_path):
 
 
 @pytest.mark.multiprocess
+@WAITS
 @pytest.mark.parametrize("nproc,zero", [(2, 0), (2, 1), (2, 3), (4, 2)],
                          ids=["tp2-zero0", "tp2-zero1", "tp2-zero3", "tp2xdp2-zero2"])
-def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
+def test_tp_layouts_match_one_process(tmp_path, request, reference, nproc, zero):
     """tiny_mixed (attn, fpsa, fpmamba, looped) trained 5 steps on a TP layout vs one process; TP2
     ZeRO-3 also trains a looped core with deep supervision (``ds=1``) in the same processes."""
     ds = ["ds=1"] if (nproc, zero) == (2, 3) else []
-    torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}", *ds], timeout=400)
-    ranks = read_ranks(str(tmp_path))
+    if nproc == 2:          # the module's two-rank launch
+        ranks = request.getfixturevalue("two_ranks")[f"tp2-zero{zero}"]
+    else:
+        torchrun(nproc, SCRIPT, [str(tmp_path), "parallel.tp=2", f"zero_stage={zero}", *ds], timeout=400)
+        ranks = read_ranks(str(tmp_path))
     assert len(ranks) == nproc
     if ds:
         assert_deep_supervision_matches(ranks, reference)
@@ -45,18 +74,12 @@ def test_tp_layouts_match_one_process(tmp_path, reference, nproc, zero):
 
 
 @pytest.mark.multiprocess
-def test_a_layer_type_added_by_registration_alone_trains_under_tp2(tmp_path):
+@WAITS
+def test_a_layer_type_added_by_registration_alone_trains_under_tp2(two_ranks, one_process):
     """tests/layers/damped_mlp.py registers a looped type fpscale has never heard of; between two
     attn layers it trains 5 steps split over TP 2 as on one process (its MLP splits by the plan
     the MLP declares, its solver agrees over the shards), iteration counts included."""
-    args = ["plugin=tests.layers.damped_mlp", "config=tiny_attn.yaml",
-            "model.layers=[{type: attn}, {type: damped_mlp, scale: 0.6, solver: {max_iter: 12, tol: 1e-4}}, "
-            "{type: attn}]"]
-    (tmp_path / "one").mkdir()
-    (tmp_path / "tp2").mkdir()
-    reference = one_process_reference(str(tmp_path / "one"), *args)
-    torchrun(2, SCRIPT, [str(tmp_path / "tp2"), "parallel.tp=2", "zero_stage=1", *args], timeout=300)
-    ranks = read_ranks(str(tmp_path / "tp2"))
+    reference, ranks = one_process["damped"], two_ranks["damped"]
     iterations = [s["iterations"]["layers.1.damped_mlp"] for s in reference["steps"]]
     assert all(1 < its[0] < 12 for its in iterations)        # it iterates, and converges before the cap
     for r in ranks:
@@ -98,7 +121,8 @@ def test_world_size_not_divisible_by_tp(monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_dropout_under_tp_acts_and_matches_one_process(tmp_path, reference):
+@WAITS
+def test_dropout_under_tp_acts_and_matches_one_process(two_ranks, one_process, reference):
     """Residual dropout draws from the default stream, the same on both shards and on one process:
     TP2 with ``model.dropout`` gives the losses of one process with the same dropout, and they differ
     from the run without dropout (so dropout acts). Attention dropout draws a mask per shard from
@@ -106,15 +130,7 @@ def test_dropout_under_tp_acts_and_matches_one_process(tmp_path, reference):
     def losses(ranks):
         return [s["loss"] for s in ranks[0]["steps"]]
 
-    residual = ["model.dropout=0.2"]
-    for name in ("one", "tp", "tp_attn"):
-        (tmp_path / name).mkdir()
-    one = one_process_reference(str(tmp_path / "one"), *residual)
-    torchrun(2, SCRIPT, [str(tmp_path / "tp"), "parallel.tp=2", "zero_stage=1", *residual], timeout=300)
-    tp = read_ranks(str(tmp_path / "tp"))
-    torchrun(2, SCRIPT, [str(tmp_path / "tp_attn"), "parallel.tp=2", "zero_stage=1", *residual,
-                         "model.attn_dropout=0.2"], timeout=300)
-    tp_attn = read_ranks(str(tmp_path / "tp_attn"))
+    one, tp, tp_attn = one_process["dropout"], two_ranks["dropout"], two_ranks["dropout-attn"]
 
     def differ(a, b):      # every step further apart than the TP-vs-one-process tolerance
         return all(abs(x - y) > 1e-5 * abs(y) for x, y in zip(a, b))
