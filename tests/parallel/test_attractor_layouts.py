@@ -5,9 +5,22 @@ partitioned and gathered: the whole solve runs inside the layer's one forward, s
 different number of times never disagree on a collective."""
 import pytest
 
-from tests.parallel.launch import one_process_reference, read_ranks, torchrun
+from tests.parallel.launch import layout_cases, read_ranks, torchrun
 
 SCRIPT = "tests/parallel/run_layout.py"
+LAYOUTS = {"tp2xdp2-zero1": (4, ["parallel.tp=2", "zero_stage=1"], []),
+           "dp2-zero3-d256": (2, ["zero_stage=3"], ["model.d_model=256", "parallel.timeout_s=120"])}
+
+
+def common(name: str) -> list[str]:
+    return ["config=tiny_attractor.yaml", *LAYOUTS[name][2]]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, dict]:
+    """Both layouts' one-process references, one after the other in one process (300 s each)."""
+    cases = layout_cases(1, tmp_path_factory.mktemp("one"), {name: common(name) for name in LAYOUTS})
+    return {name: ranks[0] for name, ranks in cases.items()}
 
 
 def assert_matches(ranks, reference, nproc):
@@ -20,17 +33,13 @@ def assert_matches(ranks, reference, nproc):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc,layout,args", [
-    (4, ["parallel.tp=2", "zero_stage=1"], []),
-    (2, ["zero_stage=3"], ["model.d_model=256", "parallel.timeout_s=120"]),
-], ids=["tp2xdp2-zero1", "dp2-zero3-d256"])
-def test_attractor_layouts_match_one_process(tmp_path, nproc, layout, args):
-    common = ["config=tiny_attractor.yaml", *args]
-    (tmp_path / "one").mkdir()
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_attractor_layouts_match_one_process(tmp_path, references, name):
+    nproc, layout, _ = LAYOUTS[name]
     (tmp_path / "split").mkdir()
-    reference = one_process_reference(str(tmp_path / "one"), *common)
+    reference = references[name]
     assert all(s["iterations"]["layers.3.attractor"] for s in reference["steps"])
-    torchrun(nproc, SCRIPT, [str(tmp_path / "split"), *layout, *common], timeout=400)
+    torchrun(nproc, SCRIPT, [str(tmp_path / "split"), *layout, *common(name)], timeout=400)
     ranks = read_ranks(str(tmp_path / "split"))
     assert_matches(ranks, reference, nproc)
     if "zero_stage=3" in layout:
