@@ -5,6 +5,8 @@ attention, so the recomputation must draw the forward's masks, the tensor-parall
 loss and every gradient equal those of ``none`` bit for bit. The bytes a block saves for backward
 fall by what the recomputed region saved, less its input, which the checkpoint keeps.
 """
+import functools
+
 import pytest
 import torch
 
@@ -64,6 +66,13 @@ def run(cfg, tracker: bool = False, steps: int = 2):
     return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@functools.lru_cache(maxsize=None)
+def without_checkpointing(layers: str, tracker: bool = False):
+    """``run`` of ``layers`` with ``model.checkpoint`` none: the reference of both modes, computed once
+    (read only: assert_same compares, nothing changes it)."""
+    return run(config(layers), tracker=tracker)
+
+
 def assert_same(a, b):
     (la, ga), (lb, gb) = a, b
     assert la == lb
@@ -75,7 +84,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("layers", ["model.layers=[{type: attn, repeat: 2}]", MIXED], ids=["attn", "mixed"])
 @pytest.mark.parametrize("mode", ["mlp", "block"])
 def test_checkpointing_changes_no_loss_and_no_gradient(layers, mode):
-    assert_same(run(config(layers, f"model.checkpoint={mode}")), run(config(layers)))
+    assert_same(run(config(layers, f"model.checkpoint={mode}")), without_checkpointing(layers))
 
 
 @pytest.mark.parametrize("mode", ["mlp", "block"])
@@ -84,7 +93,7 @@ def test_recomputation_draws_the_tp_streams_masks(mode, monkeypatch):
     backward draws the forward's mask from it. Without restoring the stream (the tracker found
     nowhere) the block would recompute with another mask and its gradients would differ."""
     layers = "model.layers=[{type: attn, repeat: 2}]"
-    reference = run(config(layers), tracker=True)
+    reference = without_checkpointing(layers, tracker=True)
     assert_same(run(config(layers, f"model.checkpoint={mode}"), tracker=True), reference)
     if mode == "block":
         monkeypatch.setattr(checkpointing, "_trackers", lambda modules: [])
