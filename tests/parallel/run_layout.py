@@ -115,6 +115,13 @@ def run(checked, out: str, args: list[str], last: bool = True, before: Counter |
                    "replicated": replicated, "checked_collectives": dict(checked - (before or Counter())),
                    **({"deep_supervision": ds_steps} if with_ds else {})}, fh)
     trainer.close()
+    if not last and trainer.state.deepspeed:
+        # DeepSpeed keeps the last engine's mpu (our TP state) as a module global and reads it in the next
+        # engine even when that one is given none: a TP-less case after a TP2 one would find TP 2 and fail
+        # (engine.py: mpu.get_model_parallel_rank on None). Leave its group references as a fresh process has
+        # them (what it does itself when the world group is destroyed; DeepSpeed 0.19.8).
+        from deepspeed.utils import groups
+        groups._release_process_group_references()
 
 
 if __name__ == "__main__":
