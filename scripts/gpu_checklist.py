@@ -18,7 +18,9 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
               twins: on a GPU only; on CPU auto is the torch loop)
   ds_compare  those runs' losses and iterations: fused vs torch bookkeeping the same
   recipes     bench/gpu.py: a short bf16 run of each configs/125m_*.yaml at its recipe's micro-batch
-              (tokens/s, MFU nominal and executed, peak memory vs fpscale-plan for the same set-up)
+              (tokens/s, MFU nominal and executed, peak memory vs fpscale-plan for the same set-up); on
+              CPU at CPU sizes; without FineWeb's token shards (CI), on synthetic tokens, said so, as on a
+              GPU machine without them
   scan        bench/scan.py
   solver      bench/solver_overhead.py (host reads, ops and wall time per iteration)
   chunks      bench/chunk_timing.py: the solver loop eager vs chunk-compiled vs chunk-graphed
@@ -93,8 +95,7 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
                "--out", str(out / "recipes.json")]
     recipes += (["--warmup", "1", "--steps", "4"] if gpu else
                 ["--warmup", "0", "--steps", "1", "--micro", "1", "--override", "model.d_model=64", "model.n_heads=2",
-                 "data.seq_len=64", "model.vocab_size=512", "data.source=synthetic", "solver.max_iter=8",
-                 "solver.eval_max_iter=8"])
+                 "data.seq_len=64", "model.vocab_size=512", "solver.max_iter=8", "solver.eval_max_iter=8"])
     steps.append({"name": "recipes", "cmd": recipes, "cap": 300, "read": "bench", "json": out / "recipes.json",
                   "budget_flag": True})
     scan = [py, "bench/scan.py", "--out", str(out / "scan.json")]
