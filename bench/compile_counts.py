@@ -20,8 +20,9 @@
     cpu_ratio      CPU time per iteration, compiled chunk / eager loop, measured in this one run
                    (a fixed depth, no grad, median of repeats): below 1 the compiled chunk is faster
 And ``train.compile: full`` on a one-layer model: its graph breaks (the solver's host reads) and the
-first reason. And the plain attn block under ``train.compile: blocks`` (fpscale.parallel.compile): graph breaks,
-generated kernels for its forward and backward, and CPU time per training step, compiled / eager.
+first reason. And ``train.compile: blocks`` (fpscale.parallel.compile) on the plain attn block and on epsilon (one
+step of its halting loop compiled): graph breaks, recompilations, generated kernels for the forward and
+backward, host reads of the eager step, and CPU time per training step, compiled / eager.
 
     python bench/compile_counts.py                          # d 64, T 32, B 4, K 4
     python bench/compile_counts.py --d 32 --T 16 --kinds looped    # a quick look (each compile takes
@@ -145,8 +146,11 @@ def solver_row(kind: str, args) -> dict:
     return row
 
 
-def attn_row(args) -> dict:
-    eager, compiled = build("attn", args), build("attn", args)
+def blocks_row(kind: str, args) -> dict:
+    """``train.compile: blocks`` on a one-layer model of ``kind`` (attn: the whole block; epsilon: one step
+    of its halting loop), a training step: graph breaks, graphs, Inductor's kernels, the eager step's
+    aten ops and host reads, CPU time compiled / eager."""
+    eager, compiled = build(kind, args), build(kind, args)
     apply_compile(compiled, "blocks")
     x = tokens(args, 1)
     torch._dynamo.reset()
@@ -158,12 +162,12 @@ def attn_row(args) -> dict:
             model(x[:, :-1], targets=x[:, 1:]).backward()
         return run
     t_compiled = timed(step(compiled), args.repeats)
-    row = {"layer": "attn (blocks)", "graph_breaks": sum(counters["graph_break"].values()),
+    row = {"layer": f"{kind} (blocks)", "graph_breaks": sum(counters["graph_break"].values()),
            "recompiles": sum(counters["recompiles"].values()), "graphs": counters["stats"]["unique_graphs"],
            "kernels_fwd_bwd": metrics.generated_kernel_count}
-    with count_aten_ops() as ops:
+    with count_aten_ops() as ops, count_host_reads() as reads:
         step(eager)()
-    row["aten_fwd_bwd"] = ops.total
+    row["aten_fwd_bwd"], row["reads_step"] = ops.total, reads.total
     row["cpu_ratio"] = round(t_compiled / timed(step(eager), args.repeats), 3)
     return row
 
@@ -193,8 +197,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=4)
     ap.add_argument("--cap", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["fpsa", "fpmamba", "fpmamba2", "looped"])
-    ap.add_argument("--no-attn", action="store_true", help="skip the attn block under train.compile: blocks")
+    ap.add_argument("--kinds", nargs="*", default=["fpsa", "fpmamba", "fpmamba2", "looped"])
+    ap.add_argument("--blocks", nargs="*", default=["attn", "epsilon"],
+                    help="layer types to run under train.compile: blocks")
     ap.add_argument("--full", nargs="*", default=["fpsa"], help="layer types to run under train.compile: full")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     ap.add_argument("--out", default=None)
@@ -207,16 +212,16 @@ def main(argv=None):
           f"{torch.get_num_threads()} thread(s)")
     print_table(rows, ["layer", "K", "graph_breaks", "recompiles", "graphs", "kernels_iter", "aten_iter", "cpu_ratio",
                        "reads_step_eager", "reads_step_chunk", "coll_step_eager", "coll_step_chunk"])
-    attn = [] if args.no_attn else [attn_row(args)]
-    if attn:
-        print("\ntrain.compile: blocks, one attn block, a training step (forward + backward)")
-        print_table(attn, ["layer", "graph_breaks", "recompiles", "graphs", "kernels_fwd_bwd", "aten_fwd_bwd",
-                           "cpu_ratio"])
+    blocks = [blocks_row(kind, args) for kind in args.blocks]
+    if blocks:
+        print("\ntrain.compile: blocks, one block, a training step (forward + backward)")
+        print_table(blocks, ["layer", "graph_breaks", "recompiles", "graphs", "kernels_fwd_bwd", "aten_fwd_bwd",
+                             "reads_step", "cpu_ratio"])
     full = [full_row(kind, args) for kind in args.full]
     if full:
         print("\ntrain.compile: full (the whole forward, no fullgraph), one training step with a live stop")
         print_table(full, ["layer", "iterations", "graph_breaks", "graphs", "top_reason"])
-    write_json("compile_counts", {"args": vars(args), "solver_rows": rows, "attn_rows": attn, "full_rows": full},
+    write_json("compile_counts", {"args": vars(args), "solver_rows": rows, "blocks_rows": blocks, "full_rows": full},
                args.out)
 
 

@@ -98,6 +98,7 @@ def test_compile_key_is_validated():
         fpscale.load_config(None, ["train.compile=regions"])
 
 
+@pytest.mark.slow
 def test_epsilon_halting_step_compiles_once_for_every_depth():
     """epsilon under ``train.compile: blocks``: its halting step (block, halting head, update) is one
     graph for every step of the loop; 5 training steps that halt after 1, 3, 5, 2 and 8 steps (halting
