@@ -31,6 +31,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -45,6 +46,9 @@ from fpscale.data.synthetic import SyntheticTask, authors_short_fraction, group_
 from fpscale.layers.fpmamba import AUTHORS_SOLVER  # noqa: E402
 
 MIX = {"mixer": "householder", "mixer_rank": 4, "d_state": 8}
+# the commit whose code this process imported, read at start (a run takes an hour; main moves meanwhile)
+COMMIT = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 MODELS = {
     "authors": ("authors_state_tracking", [{"type": "fpmamba", "preset": "authors_state_tracking", "init": "authors",
                                             **MIX}]),
@@ -126,9 +130,7 @@ def run(args, key: str, seed: int, steps: int, lengths, n_eval) -> dict:
                "train_s": t.s, "curve": curve, "final_loss": float(np.mean([c[1] for c in curve[-5:]])),
                "steps_run": stopped[0] if stopped else steps}
     res["by_length"], res["eval_s"] = evaluate(model, group, args.conventions, lengths, n_eval)
-    import subprocess
-    res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                   cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    res["commit"] = COMMIT
     out = path + (f".eval_{args.eval_solver.replace('=', '-').replace(',', '_')}" if args.eval_only and args.eval_solver
                   else "") + ".json"
     with open(out, "w") as fh:
