@@ -43,6 +43,7 @@ from fpscale.solvers import SolverConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("eager", "compiled", "graphed")
+UNTRACEABLE: dict[str, str] = {}      # every step the compiler refused in this run -> its message (the JSON)
 
 
 def solvers_of(model) -> list:
@@ -75,6 +76,8 @@ def median_s(fn, repeats: int, device) -> float:
 
 def measure(path: str, mode: str, args, device) -> dict:
     cfg = fpscale.load_config(path, ["data.source=synthetic", *args.override])
+    chunked._UNTRACEABLE.clear()          # each row tries the compiler afresh and names its own refusals
+    chunked.UNTRACEABLE_WHY.clear()
     torch.manual_seed(0)
     model = fpscale.build_model(cfg).to(device)
     loops = solvers_of(model)
@@ -115,6 +118,7 @@ def measure(path: str, mode: str, args, device) -> dict:
     row["eager_steps"] = ("-" if mode == "eager" else
                           ", ".join(sorted({n.split(".<locals>")[-1].lstrip(".") for n in chunked.UNTRACEABLE_WHY}))
                           or "none")
+    UNTRACEABLE.update(chunked.UNTRACEABLE_WHY)
     return row
 
 
@@ -142,7 +146,7 @@ def main(argv=None) -> None:
 
     def save(done: bool) -> None:
         write_json("chunk_timing", {"args": vars(args), "device": str(device), "rows": rows, "skipped": skipped,
-                                    "untraceable": dict(chunked.UNTRACEABLE_WHY), "complete": done},
+                                    "untraceable": UNTRACEABLE, "complete": done},
                    args.out, quiet=not done)
     for path in paths:
         name = Path(path).stem
