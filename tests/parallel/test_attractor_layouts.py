@@ -33,6 +33,7 @@ def assert_matches(ranks, reference, nproc):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(300 * len(LAYOUTS) + 400 + 60)     # the first test waits for ``references``, then its launch
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_attractor_layouts_match_one_process(tmp_path, references, name):
     nproc, layout, _ = LAYOUTS[name]
