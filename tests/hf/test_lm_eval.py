@@ -1,6 +1,6 @@
 """lm-evaluation-harness evaluates an exported checkpoint offline, on the fpscale_cloze task built
-from held-out documents, at the depth given in --model_args (the README's command)."""
-import glob
+from held-out documents, at the depth given in --model_args (the README's command's model_args and
+evaluation, tests/hf/run_lm_eval.py)."""
 import json
 import os
 import subprocess
@@ -39,21 +39,15 @@ def test_lm_eval_runs_the_offline_task_at_depths_1_and_8(tmp_path):
     assert task_main(["--files", documents(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "tasks"),
                       "--val-fraction", "1", "--items", "12"]) == 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    loglik = {}
+    # both depths in one process (tests/hf/run_lm_eval.py: the CLI's model_args and simple_evaluate,
+    # without its index of lm_eval's bundled tasks, 30+ s per CLI run here)
+    driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_lm_eval.py")
+    cmd = [sys.executable, driver, folder, str(tmp_path / "tasks"), str(tmp_path / "report.json"), "1", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.load(open(tmp_path / "report.json"))
     for depth in (1, 8):
-        out = tmp_path / f"depth_{depth}"
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-               f"pretrained={folder},trust_remote_code=True,eval_depth={depth}", "--include_path",
-               str(tmp_path / "tasks"), "--tasks", "fpscale_cloze", "--batch_size", "4", "--device", "cpu",
-               "--output_path", str(out), "--log_samples"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        (results,) = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
-        report = json.load(open(results))
-        assert 0.0 <= report["results"]["fpscale_cloze"]["acc,none"] <= 1.0
-        assert report["config"]["model_args"]["eval_depth"] == depth
-        (samples,) = glob.glob(str(out / "**" / "samples_fpscale_cloze_*.jsonl"), recursive=True)
-        rows = [json.loads(line) for line in open(samples)]
-        assert len(rows) == 12
-        loglik[depth] = [r["filtered_resps"] for r in rows]
-    assert loglik[1] != loglik[8]          # the depth reached the looped layers
+        assert 0.0 <= report[str(depth)]["acc"] <= 1.0
+        assert report[str(depth)]["eval_depth"] == depth          # the model_args string reached the model
+        assert len(report[str(depth)]["rows"]) == 12
+    assert report["1"]["rows"] != report["8"]["rows"]         # the depth reached the looped layers
