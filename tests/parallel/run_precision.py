@@ -1,5 +1,7 @@
 """DeepSpeed's bf16 engine on 2 ranks: solver iterations per looped layer of each tiny config
-on fixed token batches, eval and train mode (used by tests/models/test_precision.py).
+on fixed token batches, eval and train mode (used by tests/models/test_precision.py). The batches are
+shared out as data parallelism shares them: rank r runs batches r, r + world, ... (ZeRO-1's forward
+has no collective), and the test joins the ranks' lists in batch order.
 
     torchrun --nproc_per_node 2 tests/parallel/run_precision.py OUT_DIR tiny_fpsa tiny_looped ...
 """
@@ -26,7 +28,7 @@ def main():
             cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{name}.yaml"),
                                       overrides)
         trainer = Trainer(cfg, log=False)
-        batches = token_batches(cfg.model.vocab_size)
+        batches = token_batches(cfg.model.vocab_size)[trainer.state.rank::trainer.state.world_size]
         report[name] = {"param_dtype": str(next(trainer.model.parameters()).dtype),
                         **{mode: solver_iterations(trainer.engine, trainer.model, batches, mode == "train")
                            for mode in ("eval", "train")}}
