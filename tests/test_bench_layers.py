@@ -24,6 +24,7 @@ def report(tmp_path_factory):
     return bench(tmp_path_factory.mktemp("bench") / "layers.json")
 
 
+@pytest.mark.slow     # a child process (imports torch: seconds): the full suite, not the quick loop
 def test_implicit_backward_saves_one_application_of_f(report):
     rows = {(r["layer"], r["backward"]): r for r in report["micro_batch_rows"]}
     for kind in ("fpsa", "fpmamba", "looped"):

@@ -48,6 +48,7 @@ def test_gpu_smoke_matrix_runs_on_cpu(tmp_path):
     assert "vocab_size: 1152" in config and "n_heads: 12" in config
 
 
+@pytest.mark.slow     # a child process (imports torch: seconds): the full suite, not the quick loop
 def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
     """A budget already spent: nothing is started, and the JSON names every run it skipped. On CPU the
     largest-micro-batch search of each looped config is reported as needing a GPU (no budget needed)."""

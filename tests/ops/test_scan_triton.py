@@ -216,6 +216,7 @@ def test_bad_input_is_a_clear_error():
     check(x, dt, A, B, C, h0)                              # and good input passes
 
 
+@pytest.mark.slow     # a child process (imports torch: seconds): the full suite, not the quick loop
 def test_it_imports_without_triton():
     """No triton: the module imports, says so, and the dispatch runs the PyTorch scan."""
     code = ("import sys; sys.modules['triton'] = None\n"

@@ -66,6 +66,7 @@ def test_exported_weights_reproduce_the_model(tmp_path):
         assert torch.equal(trainer.model(tokens), fresh(tokens))
 
 
+@pytest.mark.slow     # a child process (imports torch: seconds): the full suite, not the quick loop
 def test_cli_config_error_exits_2_naming_the_key():
     proc = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny_attn.yaml",
                            "train.lr=-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
