@@ -5,12 +5,13 @@ Used by tests/parallel/test_bf16_accumulation.py.
 
     torchrun --nproc_per_node 2 tests/parallel/run_bf16_accumulation.py OUT_DIR PLAN [key=value ...]
 
-PLAN: ZERO_STAGE:SEEDS pairs joined by "/", e.g. ``1:1,2,3,4/0:1`` (ZeRO-1 with seeds 1-4, then
-ZeRO-0 with seed 1): every ZeRO stage the tests need in one launch (one process group, one import of
-torch and DeepSpeed). SEEDS: comma-separated seeds (model initialisation and data), each run in the
-three variants. Writes rank{RANK}.json: per ZeRO stage, seed and variant the loss and gradient norm
-of every step, the first step's accumulated and reduced gradient's distance to fp32's (relative),
-the DeepSpeed optimizer wrapper, the data types DeepSpeed resolved and the accumulation steps.
+PLAN: ZERO_STAGE:SEEDS[:STEPS] entries joined by "/", e.g. ``1:1,2,3,4/0:1:2`` (ZeRO-1 with seeds 1-4
+and train.steps' 5 steps, then ZeRO-0 with seed 1 for 2 steps): every ZeRO stage the tests need in one
+launch (one process group, one import of torch and DeepSpeed). SEEDS: comma-separated seeds (model
+initialisation and data), each run in the three variants. Writes rank{RANK}.json: per ZeRO stage,
+seed and variant the loss and gradient norm of every step, the first step's accumulated and reduced
+gradient's distance to fp32's (relative), the DeepSpeed optimizer wrapper, the data types DeepSpeed
+resolved and the accumulation steps.
 """
 import json
 import os
@@ -78,15 +79,16 @@ def train(out: str, zero: str, seed: str, precision: str, old: bool, extra: list
 def main():
     out, plan, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     report, last = {}, None
-    for pair in plan.split("/"):
-        zero, seeds = pair.split(":")
+    for entry in plan.split("/"):
+        zero, seeds, *steps = entry.split(":")
         for seed in seeds.split(","):
             runs = {}
             for variant, precision, old in VARIANTS:
                 if last is not None:        # one process group for every run: the last one closes it
                     last.owns_state = False
                     last.close()
-                runs[variant], last = train(out, zero, seed, precision, old, extra)
+                runs[variant], last = train(out, zero, seed, precision, old,
+                                            extra + [f"train.steps={n}" for n in steps])
             reference = runs["fp32"]["first_grad"]
             for record in runs.values():    # the first step's gradient against fp32's, relative
                 record["first_grad_error"] = float((record.pop("first_grad") - reference).norm() / reference.norm())

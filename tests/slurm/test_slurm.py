@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.parallel.launch import ROOT, run, torchrun_command
+from tests.parallel.launch import ROOT
 from tests.slurm.cluster import LocalSlurm, install_reason
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
@@ -41,24 +41,36 @@ def train_records(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r["kind"] == "train"}
 
 
-def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, tmp_path):
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def straight_job(cluster, tmp_path_factory):
+    """pretrain.sbatch on 2 nodes x 2 tasks (TP2 x DP2), STEPS steps uninterrupted: the first test's job,
+    and the run the requeued job must equal (one job for both, not a second uninterrupted launch).
+    (run folder, the job's log, its scontrol record)"""
+    tmp_path = tmp_path_factory.mktemp("straight")
     out = tmp_path / "job.out"
     job = cluster.sbatch([*SIZE, f"--output={out}", "launch/slurm/pretrain.sbatch", "configs/tiny_mixed.yaml",
-                          *TRAIN, "train.steps=4", f"train.out_dir={tmp_path}", "name=sl"],
+                          *TRAIN, f"train.steps={STEPS}", f"train.out_dir={tmp_path}", "name=sl"],
                          env=job_env(tmp_path), cwd=ROOT)
     info = cluster.wait(job, timeout=400)
-    log = out.read_text()
+    return tmp_path, out.read_text(), info
+
+
+def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, straight_job, tmp_path):
+    run_root, log, info = straight_job
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert "world 4 (dp 2" in log and "master 127.0.0.1:" in log
-    ckpt = tmp_path / "sl" / "checkpoints" / "step_00000004"
+    ckpt = run_root / "sl" / "checkpoints" / f"step_{STEPS:08d}"
     ranks = sorted(f.name for f in ckpt.iterdir() if f.name.startswith("fpscale_rank"))
     assert ranks == [f"fpscale_rank{r:05d}.pt" for r in range(4)]           # four distinct RANKs
     import torch
     layout = sorted((s["tp_rank"], s["dp_rank"]) for s in
                     (torch.load(ckpt / r, weights_only=True) for r in ranks))
     assert layout == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert sorted(train_records(tmp_path / "sl")) == [1, 2, 3, 4]
-    assert (tmp_path / "sl" / "final" / "model.safetensors").exists()
+    assert sorted(train_records(run_root / "sl")) == list(range(1, STEPS + 1))
+    assert (run_root / "sl" / "final" / "model.safetensors").exists()
 
     # the evaluation job reads that checkpoint and writes its report
     eval_out = tmp_path / "eval.out"
@@ -68,15 +80,14 @@ def test_pretrain_sbatch_trains_tp2_dp2_on_two_nodes(cluster, tmp_path):
     info = cluster.wait(job, timeout=300)
     assert info["JobState"] == "COMPLETED", eval_out.read_text()[-3000:]
     report = json.load(open(tmp_path / "report" / "eval.json"))
-    assert report["step"] == 4 and report["saved_layout"]["tp"] == 2
+    assert report["step"] == STEPS and report["saved_layout"]["tp"] == 2
     assert (tmp_path / "report" / "iterations.png").exists()
 
 
-def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp_path):
-    steps = 16
+def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, straight_job, tmp_path):
     out = tmp_path / "job.out"
     job = cluster.sbatch([*SIZE, f"--output={out}", "launch/slurm/pretrain.sbatch", "configs/tiny_mixed.yaml",
-                          *TRAIN, f"train.steps={steps}", f"train.out_dir={tmp_path}", "name=pre"],
+                          *TRAIN, f"train.steps={STEPS}", f"train.out_dir={tmp_path}", "name=pre"],
                          env=job_env(tmp_path), cwd=ROOT)
     metrics = tmp_path / "pre" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -90,14 +101,14 @@ def test_usr1_saves_requeues_and_the_requeued_job_continues_exactly(cluster, tmp
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log[-4000:], cluster.logs())
     assert "preempted" in log and "requeueing" in log and "resumed from" in log, log[-4000:]
     saved_at = int(log.split("preempted (signal")[1].split("saved step ")[1].split()[0])
-    assert 1 <= saved_at < steps
+    assert 1 <= saved_at < STEPS
 
-    # the same run without interruption, under torchrun on the same layout
-    run(torchrun_command(4, "launch/pretrain.py", "--config", "configs/tiny_mixed.yaml", *TRAIN, f"train.steps={steps}",
-                         f"train.out_dir={tmp_path}", "name=straight"), timeout=400)
-    got, want = train_records(tmp_path / "pre"), train_records(tmp_path / "straight")
-    assert sorted(got) == list(range(1, steps + 1))
-    for step in range(1, steps + 1):
+    # the same run without interruption, on the same layout: the first test's job
+    run_root, straight_log, straight_info = straight_job
+    assert straight_info["JobState"] == "COMPLETED", straight_log[-3000:]
+    got, want = train_records(tmp_path / "pre"), train_records(run_root / "sl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
         assert got[step]["loss"] == want[step]["loss"], step
 
 
