@@ -3,10 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# FPSCALE_TEST_WORKERS=N: N pytest-xdist workers, each with one OpenMP thread (default 0: serial, the
-# measured CI setting; 2 workers on the 2-core machine were not shown faster). loadfile: a test file runs
-# whole, in its order, on one worker (one local SLURM cluster at a time, module fixtures as in a serial run).
+# FPSCALE_TEST_WORKERS=N: N pytest-xdist workers (default 0: serial, the measured CI setting; 2 workers
+# on the 2-core machine were not shown faster). loadfile: a test file runs whole, in its order, on one
+# worker (one local SLURM cluster at a time, module fixtures as in a serial run).
+# One OpenMP thread per process, serial too (it was 2): at load ~3 on the 2-core machine the quick loop took
+# 116 s with 1 thread against 153 s with 2 (idle threads sleeping: tests/conftest.py), and at 34d2cd5 155 s
+# against 160 s with 2 spinning (387 s spinning at load ~5); the in-process tests' ops are small, and
+# every rank a test launches has 1 thread already.
 workers=${FPSCALE_TEST_WORKERS:-0}
-if [ "$workers" = 0 ]; then threads=2; else threads=1; fi
-export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
