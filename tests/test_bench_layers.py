@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# every test reads bench/layers.py's report, a child process (imports torch: seconds): the full suite,
+# not the quick loop
+pytestmark = pytest.mark.slow
 
 
 def bench(out: Path, *extra: str) -> dict:
@@ -24,7 +27,6 @@ def report(tmp_path_factory):
     return bench(tmp_path_factory.mktemp("bench") / "layers.json")
 
 
-@pytest.mark.slow     # a child process (imports torch: seconds): the full suite, not the quick loop
 def test_implicit_backward_saves_one_application_of_f(report):
     rows = {(r["layer"], r["backward"]): r for r in report["micro_batch_rows"]}
     for kind in ("fpsa", "fpmamba", "looped"):
@@ -33,7 +35,6 @@ def test_implicit_backward_saves_one_application_of_f(report):
         assert implicit["max_micro_batch"] > unroll["max_micro_batch"], kind
 
 
-@pytest.mark.slow
 def test_inference_flops_follow_the_iterations_taken(report, tmp_path):
     loose = {r["layer"]: r for r in report["inference_rows"]}
     assert set(loose) == {r["layer"] for r in report["layer_rows"]}

@@ -94,6 +94,7 @@ def saved_bytes(fn, h, w, targets) -> int:
     return counter.total
 
 
+@pytest.mark.slow      # a 412 MB log-softmax computed (2-3 s): the full suite, not the quick loop
 def test_saved_bytes_at_a_realistic_shape_are_a_tiny_fraction_of_the_plain_head():
     """N = 2048 tokens, V = 50304, fp32: the plain head saves the fp32 log-softmax (N x V x 4 =
     412 MB); the chunked one its logsumexp per token."""
