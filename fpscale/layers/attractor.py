@@ -19,8 +19,8 @@ min_iter, damping: beta`` and ``backward: neumann1`` (their ``onestep``) or ``im
 ``mask_unconverged: false`` (their Anderson adjoint): what conversion from their checkpoints writes.
 It mixes each sample's tokens with one set of Anderson coefficients, so before convergence a later
 token moves earlier outputs; the recipes (configs/*_attractor.yaml) solve causally instead:
-``decisions: token, norm: l2`` and fpscale's Anderson, one mixing per token. Their head runs in eval mode during the solve
-(attractor.py:299-310); fpscale's maps have no dropout inside them either.
+``decisions: token, norm: l2`` and fpscale's Anderson, one mixing per token. Their head runs in eval
+mode during the solve (attractor.py:299-310); fpscale's maps have no dropout inside them either.
 
 The head's parameters are stacked over its blocks and used functionally, so the whole solve runs
 inside this module's single forward (ZeRO-3 gathers them once, ENVIRONMENT.md). Tensor parallelism
