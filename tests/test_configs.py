@@ -185,8 +185,9 @@ def test_shipped_config_bounds_what_an_uncatchable_kill_loses(path):
 def test_the_attractor_recipes_are_their_configs():
     from fpscale.solvers.precision import residual_floor
 
-    """configs/{140m,370m,770m}_attractor.yaml carry jacobfa/Attractor's architecture and solver
-    (attractor/configs/attractor/*.py at fcf045f) and its batch and token budget (launch_configs)."""
+    """configs/{140m,370m,770m}_attractor.yaml carry jacobfa/Attractor's architecture and solver settings
+    (attractor/configs/attractor/*.py at fcf045f; the solve per token: causal) and its batch and token budget
+    (launch_configs)."""
     root = os.path.join(os.path.dirname(__file__), "..", "configs")
     theirs = {"140m": (1024, 8, 7, 1, 0.75, 0.75, 64, 6, 3e-4, 1.0, "neumann1", 6, 11.2e9),
               "370m": (1280, 10, 15, 2, 0.75, 1.0, 64, 8, 2e-4, 1.0, "neumann1", 6, 29.6e9),
@@ -199,9 +200,10 @@ def test_the_attractor_recipes_are_their_configs():
         assert (attn.repeat, attn.mlp, attn.qk_norm, attn.init) == (backbone, "relu2", True, "scaled_zero_ortho")
         assert (head.type, head.head_blocks, head.gate_init, head.gamma_max) == ("attractor", blocks, gate, gmax)
         assert (s.max_iter, s.min_iter, s.damping, s.backward, s.backward_min_iter) == (mx, mn, beta, bw, bmn)
-        floor = residual_floor(torch.bfloat16, norm="sample_l2")     # their tol where bf16 resolves it, else the floor
+        floor = residual_floor(torch.bfloat16, norm="l2")     # their tol where bf16 resolves it, else the floor
         assert s.tol == pytest.approx(max(tol, floor), rel=0.01) and s.backward_tol == s.tol
-        assert (s.anderson, s.anderson_variant, s.norm, s.stop_quantile, s.patience) == (5, "attractor", "sample_l2",
-                                                                                         0.0, 0)
+        # their solve made causal (docs/attractor.md): per-token residual, decisions and Anderson
+        assert (s.anderson, s.anderson_variant, s.norm, s.decisions, s.stop_quantile, s.patience) == (
+            5, "fpscale", "l2", "token", 0.0, 0)
         assert not s.mask_unconverged and cfg.model.norm_eps == 1e-5 and cfg.model.vocab_size == 32768
         assert cfg.train.global_batch_tokens == 524288 and abs(cfg.train.steps * 524288 - tokens) < 524288

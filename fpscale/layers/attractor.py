@@ -13,17 +13,23 @@ decay). The fixed point satisfies head(y* + c) = y* + c. Their model then applie
 and the tied unembedding (attractor.py:429, 443): in fpscale that is the LM's final RMSNorm
 (``model.norm_eps`` 1e-5 as theirs) and tied head, so an ``attractor`` layer is the last of the stack.
 
-Their solver is fpscale's solver with settings (configs/tiny_attractor.yaml, docs/attractor.md):
-``anderson: 5, anderson_variant: attractor, norm: sample_l2, stop_quantile: 0, patience: 0,
+Their solver is fpscale's solver with settings (docs/attractor.md, "The solve"): ``anderson: 5,
+anderson_variant: attractor, norm: sample_l2, decisions: sample, stop_quantile: 0, patience: 0,
 min_iter, damping: beta`` and ``backward: neumann1`` (their ``onestep``) or ``implicit`` with
-``mask_unconverged: false`` (their Anderson adjoint). Their head runs in eval mode during the solve
-(attractor.py:299-310); fpscale's maps have no dropout inside them either.
+``mask_unconverged: false`` (their Anderson adjoint): what conversion from their checkpoints writes.
+It mixes each sample's tokens with one set of Anderson coefficients, so before convergence a later
+token moves earlier outputs; the recipes (configs/*_attractor.yaml) solve causally instead:
+``decisions: token, norm: l2`` and fpscale's Anderson, one mixing per token. Their head runs in eval
+mode during the solve (attractor.py:299-310); fpscale's maps have no dropout inside them either.
 
 The head's parameters are stacked over its blocks and used functionally, so the whole solve runs
 inside this module's single forward (ZeRO-3 gathers them once, ENVIRONMENT.md). Tensor parallelism
-splits heads and MLP units as ``attn`` does; c and y stay whole on every rank. Decoding keeps one
-K/V cache per head block, the keys and values of past tokens at their fixed point, reused by every
-iteration of the new tokens (as ``looped`` does).
+splits heads and MLP units as ``attn`` does; c and y stay whole on every rank. Decoding keeps every
+head block's keys and values of past tokens at every iteration (fpscale.layers.step_cache, as
+``looped``): with the causal solve (``decisions: token``) cached decoding repeats the full forward's
+iterates, converged or not. Attractor's own solve (``decisions: sample``, their Anderson) is not
+causal before convergence (docs/attractor.md): cached decoding then equals the full forward only
+where the solves converge.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.layers.step_cache import StepCache, along
 from fpscale.layers.switches import relu2, scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
 
 
@@ -169,13 +176,23 @@ class AttractorHead(FixedPointLayer):
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         real = real_tokens(pad, pos, x.shape[1])
         cos, sin = rope_span(self.head_dim, pos, x.shape[1], self.rope_theta, x, pad)
-        caches = cache.get("kv") if cache else None
         c = wide(x)
-        head = self.compiled(self.head) if caches is None else self.head
-        y = self.fixed_point(lambda y: head(y + c, cos, sin, caches, pad=pad) - y, c, real)
-        if cache is not None:
+        if cache is None:
+            head = self.compiled(self.head)
+            return self.fixed_point(lambda y: head(y + c, cos, sin, None, pad=pad) - y, c, real).to(x.dtype)
+        # decoding: every head block's K/V at every iteration (fpscale.layers.step_cache), as ``looped``
+        steps = StepCache(cache)
+        names = [f"{kv}{l}" for l in range(self.blocks) for kv in "kv"]
+
+        def f(y):
+            past = None if steps.past_iters is None else [
+                {"k": steps.past(f"k{l}"), "v": steps.past(f"v{l}")} for l in range(self.blocks)]
             collected: list = []
-            with torch.no_grad():
-                self.head(y.detach() + c, cos, sin, caches, collected, pad)
-            cache["kv"] = [{"k": k.detach(), "v": v.detach()} for k, v in collected]
+            out = self.head(y + c, cos, sin, past, collected, pad) - y
+            steps.record(**{f"{kv}{l}": t[:, :, -x.shape[1]:] for l, pair in enumerate(collected)   # new tokens
+                            for kv, t in zip("kv", pair)})
+            return out
+
+        y = self.fixed_point(f, c, real, steps)
+        steps.store(cache, {n: along(2) for n in names})
         return y.to(x.dtype)

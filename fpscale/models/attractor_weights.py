@@ -16,6 +16,11 @@ attractor/modules/utils.py:17-29) to fpscale's half-split one (pairs (i, i + dh/
 fpscale.layers.common.apply_rope); the attention logits q.k are unchanged by it, so the map is exact.
 Their ``freqs_cis`` buffer is recomputed from ``rope_settings`` (theta 50,000) and not carried.
 
+The config ``--from attractor`` writes solves as their code does (``decisions: sample, norm: sample_l2,
+anderson_variant: attractor``): the function their checkpoint was trained on. ``--to attractor`` takes
+that solve or the recipes' causal form of it (configs/*_attractor.yaml: per token, fpscale's Anderson),
+with a warning that their code will solve per sample.
+
 Only what fpscale can reproduce converts; anything else is an error naming their key (a softcap, GQA,
 value embeddings in the backbone, another MLP or norm, Picard adjoints, the J^T v clip).
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -220,11 +226,21 @@ def their_config(cfg) -> dict[str, Any]:
     specs = m.expanded_layers()
     head = specs[-1]
     s = cfg.solver.with_overrides(head.solver, f"model.layers.{len(m.layers) - 1}.solver")
-    for key, want in (("norm", "sample_l2"), ("stop_quantile", 0.0), ("patience", 0), ("anderson_lambda", 1e-4)):
+    # their solve, or the recipes' causal form of it (configs/*_attractor.yaml: per token, fpscale's Anderson)
+    solves = {("sample_l2", "sample", "attractor"): "theirs", ("l2", "token", "fpscale"): "causal"}
+    variant = s.anderson_variant if s.anderson else {"sample": "attractor", "token": "fpscale"}[s.decisions]
+    solve = solves.get((s.norm, s.decisions, variant))
+    if solve is None:
+        raise UserError(f"--to attractor: solver norm / decisions / anderson_variant = {s.norm} / {s.decisions} / "
+                        f"{s.anderson_variant}: Attractor's solve is sample_l2 / sample / attractor, the recipes' "
+                        f"causal form of it l2 / token / fpscale")
+    if solve == "causal":
+        warnings.warn("--to attractor: this model solved per token (decisions: token, the causal recipes); their "
+                      "code solves per sample with its own Anderson, which is not causal before convergence: its "
+                      "logits equal fpscale's where both solves converge (docs/attractor.md)", stacklevel=2)
+    for key, want in (("stop_quantile", 0.0), ("patience", 0), ("anderson_lambda", 1e-4)):
         if getattr(s, key) != want:
             raise UserError(f"--to attractor: solver.{key} = {getattr(s, key)!r}: Attractor's solver has {want!r}")
-    if s.anderson and s.anderson_variant != "attractor":
-        raise UserError("--to attractor: solver.anderson_variant must be attractor (their Anderson)")
     if s.backward not in ("neumann1", "implicit") or (s.backward == "implicit" and not s.anderson):
         raise UserError(f"--to attractor: solver.backward = {s.backward}: neumann1, or implicit with Anderson")
     return {"_class_name": "AttractorConfig", "model_class_name": "Attractor", "name": cfg.name,

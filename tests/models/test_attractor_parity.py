@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import fpscale
 from fpscale.config import config_from_dict
+from fpscale.errors import UserError
 from fpscale.models.attractor_weights import fpscale_config, to_fpscale, to_theirs
 from fpscale.models.lm import build_model
 
@@ -101,6 +104,21 @@ def test_convert_cli_their_folder_to_fpscale_and_back(tmp_path):
                 "min_iter", "tol", "anderson_m", "anderson_beta", "backward_tol", "layer_scale_init", "gamma_max",
                 "qk_norm", "norm_eps"):
         assert config[key] == meta["settings"][key], key
+
+
+def test_to_attractor_takes_their_solve_or_the_recipes_causal_form():
+    """The causal recipe (configs/tiny_attractor.yaml) converts with a warning that their code solves per
+    sample; their solve converts silently; any other solve is refused, naming the keys."""
+    from fpscale.models.attractor_weights import their_config
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_attractor.yaml")
+    with pytest.warns(UserWarning, match="solves per sample"):
+        assert their_config(fpscale.load_config(recipe, []))["solver"] == "anderson"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        their_config(fpscale.load_config(recipe, ["solver.decisions=sample", "solver.norm=sample_l2",
+                                                  "solver.anderson_variant=attractor"]))
+    with pytest.raises(UserError, match="norm / decisions / anderson_variant = inf / token"):
+        their_config(fpscale.load_config(recipe, ["solver.norm=inf"]))
 
 
 def fpscale_model(folder):

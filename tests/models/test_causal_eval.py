@@ -23,14 +23,13 @@ VOCAB, D, T = 32, 32, 12
 MODES = ["implicit", "phantom", "jfb", "unroll"]
 # every registered type that builds a looped layer, with the backward modes it has (a fixed-point
 # layer: every solver mode; epsilon and fpsa_lh halt by their own rule, autograd through the steps)
-# attractor (issue 38) is not yet on the per-iteration step cache of issue 36a: its decoding caches K/V at the
-# fixed point (cached = full within the tolerance: tests/layers/test_attractor.py), and its recipe decides per
-# sample (decisions: sample, as jacobfa/Attractor's solve); moving it onto fpscale.layers.step_cache is open
-LOOPED = [t for t in LAYER_TYPES if t not in ("attn", "attractor")]
+LOOPED = [t for t in LAYER_TYPES if t != "attn"]
+# attractor solves with Anderson mixing in its recipes (fpscale's, per token): its cases mix too
+MIXING = {"attractor": {"anderson": 5}}
 
 
 def build(layer_type: str, solver: dict, dtype=torch.float64, seed: int = 0, around: bool = True, **spec):
-    """A tiny LM: attn, the looped layer, attn (``around``), dropout off."""
+    """A tiny LM: attn, the looped layer, attn (``around``), dropout off; attractor's solve mixes (``MIXING``)."""
     torch.manual_seed(seed)
     return fpscale.build_model(config(layer_type, solver, around, **spec)).to(dtype).eval()
 
@@ -39,7 +38,7 @@ def config(layer_type: str, solver: dict, around: bool = True, **spec):
     cfg = fpscale.load_config(None, [])
     looped = layer_spec(layer_type, **spec)
     if looped.looped:
-        looped.solver = dict(solver)
+        looped.solver = {**MIXING.get(layer_type, {}), **solver}
     layers = [layer_spec("attn"), looped, layer_spec("attn")] if around else [looped]
     cfg.model = ModelConfig(vocab_size=VOCAB, d_model=D, n_heads=4, max_seq_len=64, layers=layers, dropout=0.0)
     cfg.model.validate()
@@ -206,11 +205,11 @@ def test_the_hf_model_outputs_the_grad_mode_forward(layer_type, tmp_path):
 
 @torch.no_grad()
 def test_attractor_is_causal_with_per_token_anderson_only():
-    """A finding, held: jacobfa/Attractor's Anderson (``anderson_variant: attractor``, the tiny_attractor
-    recipe, as their solve) mixes every iterate of a sample with coefficients from the whole sample's
-    residuals, so before convergence a later token moves earlier logits (measured 0.04 at the recipe's 24
-    iterations on tiny_attractor at initialisation, |logit| <= 3.5). fpscale's Anderson judged per token
-    (``anderson_variant: fpscale, decisions: token, norm: l2``) is causal: the same check gives 0."""
+    """A finding, held: jacobfa/Attractor's solve (``anderson_variant: attractor, decisions: sample, norm:
+    sample_l2``) mixes every iterate of a sample with coefficients from the whole sample's residuals, so
+    before convergence a later token moves earlier logits (measured 0.04 at 24 iterations on tiny_attractor
+    at initialisation, |logit| <= 3.5). The recipe (configs/tiny_attractor.yaml: fpscale's Anderson judged
+    per token) is causal: the same check gives 0."""
     def earliest_move(*over: str) -> float:
         cfg = fpscale.load_config(os.path.join(ROOT, "configs", "tiny_attractor.yaml"), [
             "data.source=synthetic", f"model.vocab_size={VOCAB}", f"model.d_model={D}", "model.n_heads=4",
@@ -225,6 +224,6 @@ def test_attractor_is_causal_with_per_token_anderson_only():
         y = x.clone()
         y[:, T:] = torch.randint(0, VOCAB, (2, T), generator=g)
         return (model(y)[:, :T] - logits[:, :T]).abs().max().item()
-    theirs = earliest_move()
+    theirs = earliest_move("solver.anderson_variant=attractor", "solver.decisions=sample", "solver.norm=sample_l2")
     assert theirs > 1e-3, theirs          # 0.013 at d 32
-    assert earliest_move("solver.anderson_variant=fpscale", "solver.decisions=token", "solver.norm=l2") == 0.0
+    assert earliest_move() == 0.0

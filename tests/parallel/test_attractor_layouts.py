@@ -1,4 +1,5 @@
-"""The ``attractor`` layer (configs/tiny_attractor.yaml: Attractor's solve, Neumann-1 backward) trained 5
+"""The ``attractor`` layer (configs/tiny_attractor.yaml: Attractor's solve made causal, per token, with Anderson
+mixing; Neumann-1 backward) trained 5
 steps on parallel layouts against one process (fp32): TP2 x DP2 ZeRO-1 at d 32, and DP2 ZeRO-3 at d 256,
 where the head's stacked weights (>= 393k elements) lie above ZeRO-3's persistence threshold and are
 partitioned and gathered: the whole solve runs inside the layer's one forward, so ranks that iterate a

@@ -34,7 +34,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="a kernel test: run under TRITON_INTERPRET=1 by "
                                                          "test_the_fused_bookkeeping_under_the_interpreter")
 # every tiny config with a fixed-point solve (tiny_attn has none; tiny_epsilon halts by its own rule)
-# (tiny_attractor: Anderson mixing and the whole-sample residual, which the fused bookkeeping does not run)
+# (tiny_attractor: Anderson mixing, which the fused bookkeeping does not run)
 TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml")
               if p.stem not in ("tiny_attn", "tiny_epsilon", "tiny_attractor"))
 # tiny_fpsa judged per (token, head) (its state [B, T * H, d_h]), freezing in the adjoint too
