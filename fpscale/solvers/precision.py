@@ -48,6 +48,8 @@ fpscale's precision policy for looped layers (docs/solver.md, "Precision"):
       tiny_fpsa 0.53-0.58 eps, tiny_looped 0.27-0.28 eps, tiny_fpmamba 0.02-0.03 eps
     so its floor is L2_FLOOR_EPS = 1 eps of the map's dtype (bf16 7.8e-3), above every one of these.
     It is what the causal Attractor recipes (configs/*_attractor.yaml, bf16) take as their tolerance.
+    A float32 map keeps 2 float32 eps (2.4e-7), the inf norm's: rounding is not all that limits it there
+    (the attractor head above bottomed out at 3.0e-7 in fp32, 2.5 eps: a tol between the two runs to the cap).
 """
 from __future__ import annotations
 
@@ -84,14 +86,16 @@ def tf32_matmuls(like: torch.Tensor) -> bool:
 def residual_floor(dtype: torch.dtype, tf32: bool = False, norm: str = "inf") -> float:
     """The smallest relative residual a map computing in ``dtype`` reaches reliably: 2 eps (a
     float32 map whose matmuls run in TF32, ``tf32``: 2 TF32 eps); for ``norm`` sample_l2,
-    SAMPLE_L2_FLOOR_EPS eps, and for the per-token l2, L2_FLOOR_EPS eps, never below float32's
-    (the residual is computed in float32)."""
+    SAMPLE_L2_FLOOR_EPS eps, never below float32's (the residual is computed in float32), and for the
+    per-token l2, L2_FLOOR_EPS eps, never below a float32 map's 2 eps."""
     if norm in ("sample_l2", "l2"):
         if not dtype.is_floating_point:
             return 0.0
         eps = TF32_EPS if tf32 and dtype == torch.float32 else max(torch.finfo(dtype).eps,
                                                                     torch.finfo(torch.float32).eps)
-        return (SAMPLE_L2_FLOOR_EPS if norm == "sample_l2" else L2_FLOOR_EPS) * eps
+        if norm == "sample_l2":
+            return SAMPLE_L2_FLOOR_EPS * eps
+        return max(L2_FLOOR_EPS * eps, 2 * torch.finfo(torch.float32).eps)
     if tf32 and dtype == torch.float32:
         return 2 * TF32_EPS
     return 2 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0

@@ -99,6 +99,16 @@ def test_tf32_is_on_for_fp32_work_on_cuda_only():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def test_the_per_token_l2_floor_is_one_eps_below_float32_and_two_in_it():
+    """norm l2 averages a token's rounding over its channels (measured: fpscale.solvers.precision): 1 eps
+    of bf16 and TF32; a float32 map keeps the inf norm's 2 eps; the inf norm and sample_l2 are unchanged."""
+    assert residual_floor(torch.bfloat16, norm="l2") == 2 ** -7
+    assert residual_floor(torch.float32, tf32=True, norm="l2") == 2 ** -10
+    assert residual_floor(torch.float32, norm="l2") == residual_floor(torch.float32) == 2 * 2 ** -23
+    assert residual_floor(torch.bfloat16) == 2 * 2 ** -7
+    assert residual_floor(torch.bfloat16, norm="sample_l2") == pytest.approx(0.6 * 2 ** -7)
+
+
 def test_a_float32_map_on_tf32_matmuls_has_the_tf32_floor():
     assert residual_floor(torch.float32, tf32=True) == 2 * 2 ** -10
     assert residual_floor(torch.bfloat16, tf32=True) == residual_floor(torch.bfloat16)
