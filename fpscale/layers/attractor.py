@@ -56,7 +56,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache, along
+from fpscale.layers.step_cache import StepCache
 from fpscale.layers.switches import relu2, scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
 
 
@@ -182,17 +182,13 @@ class AttractorHead(FixedPointLayer):
             return self.fixed_point(lambda y: head(y + c, cos, sin, None, pad=pad) - y, c, real).to(x.dtype)
         # decoding: every head block's K/V at every iteration (fpscale.layers.step_cache), as ``looped``
         steps = StepCache(cache)
-        names = [f"{kv}{l}" for l in range(self.blocks) for kv in "kv"]
 
         def f(y):
-            past = None if steps.past_iters is None else [
-                {"k": steps.past(f"k{l}"), "v": steps.past(f"v{l}")} for l in range(self.blocks)]
             collected: list = []
-            out = self.head(y + c, cos, sin, past, collected, pad) - y
-            steps.record(**{f"{kv}{l}": t[:, :, -x.shape[1]:] for l, pair in enumerate(collected)   # new tokens
-                            for kv, t in zip("kv", pair)})
+            out = self.head(y + c, cos, sin, steps.past_kv(self.blocks), collected, pad) - y
+            steps.record_kv(collected, x.shape[1])
             return out
 
         y = self.fixed_point(f, c, real, steps)
-        steps.store(cache, {n: along(2) for n in names})
+        steps.store_kv(cache, self.blocks)
         return y.to(x.dtype)

@@ -35,7 +35,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache, along
+from fpscale.layers.step_cache import StepCache
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -151,19 +151,15 @@ class LoopedCore(FixedPointLayer):
                                  real)
         else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
             steps = StepCache(cache)
-            names = [f"{kv}{l}" for l in range(self.blocks) for kv in "kv"]
 
             def f(s):
-                past = None if steps.past_iters is None else [
-                    {"k": steps.past(f"k{l}"), "v": steps.past(f"v{l}")} for l in range(self.blocks)]
                 collected: list = []
-                out = self.one_pass(a2 * s + inject, cos, sin, past, collected, pad)
-                steps.record(**{f"{kv}{l}": t[:, :, -x.shape[1]:] for l, pair in enumerate(collected)   # new tokens
-                                for kv, t in zip("kv", pair)})
+                out = self.one_pass(a2 * s + inject, cos, sin, steps.past_kv(self.blocks), collected, pad)
+                steps.record_kv(collected, x.shape[1])
                 return out
 
             s = self.fixed_point(f, torch.zeros_like(x), real, steps)
-            steps.store(cache, {n: along(2) for n in names})
+            steps.store_kv(cache, self.blocks)
             if window is not None:
                 cache["conv"] = window.detach()
         return s.to(x.dtype)

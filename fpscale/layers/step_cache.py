@@ -86,6 +86,21 @@ class StepCache:
         """What this call's f computed of the new tokens (after reading ``past``)."""
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
+    def past_kv(self, blocks: int) -> list[dict] | None:
+        """Attention blocks' past keys and values at this call (``k{l}``, ``v{l}``; the looped core's
+        sublayers, the attractor head's blocks), or None before any past."""
+        if self.past_iters is None:
+            return None
+        return [{"k": self.past(f"k{l}"), "v": self.past(f"v{l}")} for l in range(blocks)]
+
+    def record_kv(self, collected: list, new: int) -> None:
+        """The ``new`` tokens' keys and values of each block's (k, v) in ``collected`` (past and new)."""
+        self.record(**{f"{kv}{l}": t[:, :, -new:] for l, pair in enumerate(collected) for kv, t in zip("kv", pair)})
+
+    def store_kv(self, cache: dict, blocks: int) -> None:
+        """``store`` for keys and values, which grow along the token axis."""
+        self.store(cache, {f"{kv}{l}": along(2) for l in range(blocks) for kv in "kv"})
+
     def store(self, cache: dict, combine: dict[str, Combine], key: str = "steps") -> None:
         """Merge the new tokens' entries into ``cache[key]`` (call after at least one final entry)."""
         if not self.finals:
