@@ -213,7 +213,7 @@ class FPSAttention(FixedPointLayer):
             n_heads, z0 = 1, h
         self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
         self.entries_split = heads           # under TP each rank holds its own heads' entries
-        counter = EntryIterations(self.solver.freeze_converged)
+        counter = EntryIterations(self.solver.freeze_converged, z0)
 
         def f(z):
             counter.see(z)
@@ -224,8 +224,9 @@ class FPSAttention(FixedPointLayer):
             steps.record(k=keys[0].contiguous())
             return out
 
-        z = self.fixed_point(f, z0, real, steps)
-        self.last_stats = FPSAStats(self.last_stats, counter.result(z, self.last_stats.iterations),  # type: ignore
+        f.after_replay = counter.own       # a CUDA graph's replay hands its outputs back (solvers.chunked)
+        z = self.fixed_point(f, z0, real, steps, on_final=counter.solved)
+        self.last_stats = FPSAStats(self.last_stats, counter.result(z),  # type: ignore
                                     n_heads, real, self.head_offset(n_heads) if heads else None)
         if heads:
             z = self.project(z)
@@ -245,38 +246,47 @@ class EntryIterations:
 
     With ``solver.freeze_converged`` a frozen entry's iterate is bit-identical from one call of f to
     the next, so comparing the iterate each call receives with the previous one counts the steps in
-    which an entry still changed; the count is taken at the solve's last iteration (the implicit and
-    phantom backwards call f again, from z*). Without freezing every entry runs every iteration and
-    nothing is counted (``result`` is None)."""
+    which an entry still changed: the loop's calls, and the first call after it (``solved``, the
+    solve's ``on_final``, comes between: that call receives z*, the later output steps and backward
+    calls do not count), or z* itself where nothing is applied after the loop (``result``). The
+    state is two tensors of fixed shape, so a compiled chunk of the loop is one graph whatever its
+    position, and ``own`` takes them out of a CUDA graph's pool after a replay
+    (fpscale.solvers.chunked). Without freezing every entry runs every iteration and nothing is
+    counted (``result`` is None)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.prev: torch.Tensor | None = None
-        self.counts: list[torch.Tensor] = []        # after call c + 1: changes seen in steps 1..c
+    def __init__(self, enabled: bool, z0: torch.Tensor):
+        self.enabled, self.solving, self.closed = enabled, True, False
+        self.prev = z0.detach() if enabled else None          # the iterate of the latest call
+        self.total = torch.zeros(z0.shape[:2], dtype=torch.int32, device=z0.device) if enabled else None
 
     def see(self, z: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self.enabled or self.closed:
             return
         with torch.no_grad():
             z = z.detach()
-            if self.prev is None:
-                self.counts.append(torch.zeros(z.shape[:2], dtype=torch.int32, device=z.device))
-            else:
-                self.counts.append(self.counts[-1] + self.changed(z, self.prev))
+            self.total = self.total + self.changed(z, self.prev)
             self.prev = z
+        self.closed = not self.solving          # the first call after the loop: f(z*)
+
+    def solved(self) -> None:
+        self.solving = False
+
+    def own(self) -> None:
+        if self.enabled:
+            self.prev, self.total = self.prev.clone(), self.total.clone()
 
     @staticmethod
     def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return (new != old).reshape(*new.shape[:2], -1).any(-1).int()
 
-    def result(self, z_star: torch.Tensor, iterations: int) -> torch.Tensor | None:
-        """[B, entries] int32: the steps (of ``iterations``) in which each entry changed."""
-        if not self.enabled or not self.counts:
+    def result(self, z_star: torch.Tensor) -> torch.Tensor | None:
+        """[B, entries] int32: the steps in which each entry changed (z0 -> ... -> z*)."""
+        if not self.enabled:
             return None
+        if self.closed:
+            return self.total
         with torch.no_grad():
-            if len(self.counts) > iterations:        # a backward's call from z*: it saw step n
-                return self.counts[iterations]
-            return self.counts[-1] + self.changed(z_star.detach(), self.prev)
+            return self.total + self.changed(z_star.detach(), self.prev)
 
 
 class FPSAStats:

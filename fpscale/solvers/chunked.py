@@ -142,9 +142,14 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
 
 def _replay(compiled: Callable, args: tuple):
     """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's
-    outputs may be overwritten), so what the solve keeps is cloned out of the graph's pool."""
+    outputs may be overwritten), so what the solve keeps is cloned out of the graph's pool; a step
+    that keeps tensors of its own across calls (fpsa's entry counter) takes them out with its
+    ``after_replay``."""
     torch.compiler.cudagraph_mark_step_begin()
     state, counts, words = compiled(*args)
+    own = getattr(args[0], "after_replay", None)
+    if own is not None:
+        own()
     return tuple(t.clone() for t in state), *(None if t is None else t.clone() for t in (counts, words))
 
 

@@ -142,15 +142,19 @@ def test_tiny_models_train_as_eager_in_float64(kind, backward, eager_chunks):
 
 # ------------------------------------------------------------------------------ compiled: one graph
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fpsa", "fpmamba", "fpmamba2", "looped"])
+@pytest.mark.parametrize("kind", ["fpsa", "fpsa_frozen", "fpmamba", "fpmamba2", "looped"])
 def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind, monkeypatch):
     """Evaluation solves (no grad) at 5 depths: 1 to 4 chunks of 4, the last one cut by the cap: one
-    graph, compiled once, no break, no recompilation; as the eager chunk computes. Graph breaks and
+    graph, compiled once, no break, no recompilation; as the eager chunk computes. ``fpsa_frozen``:
+    freezing on, so f carries fpsa's entry counter from chunk to chunk (tensors of one shape: no
+    recompilation per chunk), counting as the eager loop does. Graph breaks and
     recompilations are dynamo's: the aot_eager backend counts them without Inductor's C++ build
     (the Inductor-compiled chunk: test_compiled_chunks_train_as_eager, bench/compile_counts.py)."""
     from torch._dynamo.utils import counters
     monkeypatch.setattr(chunked, "BACKEND", "aot_eager")
-    model = tiny_model(kind, solver={"tol": 0.0, "max_iter": 13, "chunk": 4}).eval()
+    frozen = kind == "fpsa_frozen"
+    model = tiny_model("fpsa" if frozen else kind,
+                       solver={"tol": 0.0, "max_iter": 13, "chunk": 4, "freeze_converged": frozen}).eval()
     x = token_batches(32, n=1, batch=2, seq=8)[0]
     torch._dynamo.reset()
     counters.clear()
@@ -165,6 +169,9 @@ def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind, monkeypatc
             try:
                 with model.eval_depth(depth):
                     torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-5)
+                (eager,) = model.solver_stats().values()
+                if frozen:          # entries stop changing at different steps (float32 stagnation)
+                    assert torch.equal(stats.entry_iterations, eager.entry_iterations)
             finally:
                 chunked.COMPILE = True
     assert seen == [3, 5, 8, 11, 13]
