@@ -14,6 +14,9 @@ keeps its traceback and exits with Python's code 1, so a bug never looks like a 
     75  preempted: every rank saved at a step boundary (fpscale/train/signals.py)
 """
 
+import os
+import sys
+
 EXIT_INTERNAL = 1
 EXIT_USER = 2
 EXIT_PEER_LOST = 69        # sysexits EX_UNAVAILABLE
@@ -84,3 +87,18 @@ def warn(key: str, message: str) -> None:
     """Warn about ``key`` the way ``check`` raises: the message names the key."""
     import warnings
     warnings.warn(ConfigWarning(f"config key '{key}': {message}"), stacklevel=3)
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` on stderr as one write: the ranks of a job share one stderr (torchrun, srun),
+    and ``print`` writes a line in two parts where stderr is unbuffered (``python -u``), so two ranks'
+    messages could end on one line (a pipe keeps a write of up to 4 KiB whole)."""
+    line = f"error: {message}\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):        # a stand-in stream (pytest's capsys)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    os.write(fd, line.encode(errors="replace"))

@@ -9,9 +9,8 @@ exits with 1 (the codes: fpscale/errors.py), unless the heartbeat finds that a p
 from __future__ import annotations
 
 import functools
-import sys
 
-from fpscale.errors import ReportedError
+from fpscale.errors import ReportedError, print_error
 
 
 def reported(main):
@@ -29,6 +28,6 @@ def reported(main):
                 heartbeat.settle(exc)       # a peer that vanished: PeerLost naming it
                 raise
         except ReportedError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print_error(str(exc))
             return exc.exit_code
     return wrapper

@@ -34,7 +34,7 @@ import time
 
 import torch.distributed as dist
 
-from fpscale.errors import EXIT_PEER_LOST, PeerLost
+from fpscale.errors import EXIT_PEER_LOST, PeerLost, print_error
 
 _active: "Heartbeat | None" = None
 
@@ -129,7 +129,7 @@ class Heartbeat:
         time.sleep(min(self.interval_s, 1.0))     # the main thread may report it itself (settle)
         if self.main_reports.is_set():
             return
-        print(f"error: {why}", file=sys.stderr, flush=True)
+        print_error(why)
         try:
             sys.stdout.flush()                    # os._exit skips it: keep what the run printed
         except Exception:

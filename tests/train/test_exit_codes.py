@@ -2,6 +2,7 @@
 fpscale keeps its traceback and exits 1, even when it is a ValueError; fault specs are checked."""
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,6 +31,22 @@ def test_a_full_disk_has_its_own_code_and_anything_else_propagates(capsys):
     assert reported(full)() == 74
     with pytest.raises(ValueError, match="a bug"):      # the interpreter prints it and exits 1
         reported(bug)()
+
+
+def test_the_error_line_is_one_write_so_ranks_sharing_stderr_never_share_a_line(tmp_path):
+    """Two processes, unbuffered (``python -u``, as the CI run that put two ranks' messages on one
+    line), each printing 300 error lines into one file: every line is one whole message."""
+    code = ("import sys, time; from fpscale.errors import print_error\n"
+            "while time.time() < float(sys.argv[2]): pass\n"         # both start together
+            "for i in range(3000): print_error(sys.argv[1] * 200)")
+    log, start = tmp_path / "both.log", f"{time.time() + 3:.3f}"
+    with open(log, "wb") as fh:
+        procs = [subprocess.Popen([sys.executable, "-u", "-c", code, tag, start], cwd=ROOT, stderr=fh)
+                 for tag in "ab"]
+        for p in procs:
+            assert p.wait(timeout=60) == 0
+    lines = log.read_text().splitlines()
+    assert len(lines) == 6000 and set(lines) == {"error: " + "a" * 200, "error: " + "b" * 200}
 
 
 def test_fault_specs_parse_and_bad_ones_say_the_form():
