@@ -113,8 +113,8 @@ def capture_f(block, x):
     layer, captured = layers[0], {}
     solve = layer.fixed_point
 
-    def spy(f, z0, real=None, step_cache=None):
-        z = solve(f, z0, real, step_cache)
+    def spy(f, z0, real=None, step_cache=None, **kw):
+        z = solve(f, z0, real, step_cache, **kw)
         captured.update(f=f, z=z.detach())
         return z
 

@@ -49,8 +49,8 @@ def capture_solve(layer: FixedPointLayer):
     seen = {}
     orig = layer.fixed_point
 
-    def spy(f, z0, real=None, step_cache=None):
-        z = orig(f, z0, real, step_cache)
+    def spy(f, z0, real=None, step_cache=None, **kw):
+        z = orig(f, z0, real, step_cache, **kw)
         seen.update(f=f, z=z)
         return z
 
