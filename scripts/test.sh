@@ -12,5 +12,5 @@ bash scripts/setup.sh
 # every rank a test launches has 1 thread already.
 workers=${FPSCALE_TEST_WORKERS:-0}
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# --durations: the log ends with the slowest tests (the suite's budget is 30 minutes: README, "Tests")
+# --durations: the log ends with the slowest tests (the whole suite should take under 30 minutes)
 exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=20 "$@"
