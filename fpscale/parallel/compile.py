@@ -1,6 +1,14 @@
 """``train.compile``: torch.compile applied to a built (and parallelized) model, in place.
 
-    none     (default) eager
+    auto     (default) by device and model: nothing on CPU (compiling costs minutes there and buys little);
+             on CUDA ``model`` when every layer is plain or a one-pass solve (``max_iter`` and
+             ``eval_max_iter`` 1: the attn and mamba stacks), else ``blocks`` (a looped layer's solve
+             reads its stop decision on the host; its iterations are compiled by the solver itself,
+             ``solver.chunk``). The choice is logged
+    none     eager
+    model    the whole model's forward as one graph (``fullgraph=True``): norms, RoPE, activations,
+             residual adds and the loss head fused across blocks. A model that does not trace whole
+             says so once (the first reason) and falls back to ``blocks``
     blocks   regional compilation (torchtitan's ``apply_compile``: each block on its own, so one
              compiled graph serves every copy of a block type and the compile time does not grow with
              the depth): every block declares its plain regions (``compile_regions()``, the way it
@@ -44,7 +52,7 @@ import torch
 
 from fpscale.errors import check
 
-COMPILE_MODES = ("none", "blocks", "full")
+COMPILE_MODES = ("auto", "none", "model", "blocks", "full")
 logger = logging.getLogger("fpscale")
 
 
@@ -104,18 +112,75 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> list[st
     return done
 
 
-def apply_compile(model: torch.nn.Module, mode: str, log: bool = False,
-                  backend: str = "inductor") -> list[str]:
-    """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled
-    (logged with ``log``)."""
+def one_pass(module: torch.nn.Module) -> bool:
+    """True when nothing in ``module`` loops on a host decision: every looped layer in it is a solve of
+    one iteration in training and evaluation (125m_mamba, 125m_mamba1) and none is a halting loop."""
+    from fpscale.layers.fixed_point import FixedPointLayer
+    from fpscale.layers.looping import LoopedLayer
+    for m in module.modules():
+        if isinstance(m, LoopedLayer):
+            solver = getattr(m, "solver", None)
+            if not isinstance(m, FixedPointLayer) or solver is None:
+                return False
+            if solver.max_iter != 1 or solver.eval_max_iter not in (0, 1):
+                return False
+    return True
+
+
+def resolve_mode(mode: str, model: torch.nn.Module, device: torch.device | None = None) -> str:
+    """``auto`` made concrete for this model on this device (other modes unchanged)."""
     check_mode(mode)
-    if mode == "none":
-        return []
-    if mode == "blocks":
+    if mode != "auto":
+        return mode
+    if device is None:
+        device = next(model.parameters()).device
+    if device.type != "cuda":
+        return "none"
+    return "model" if one_pass(model) else "blocks"
+
+
+class CompiledModel:
+    """``LoopedLM.forward`` compiled whole with ``fullgraph=True``; on the first failure to trace, said
+    once with its reason, the blocks are compiled one by one instead (``blocks``) and the forward runs
+    eager around them. Decoding (a cache, or a position past 0) runs eager."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "inductor"):
+        self.model, self.backend, self.eager = model, backend, model.forward
+        self.compiled = torch.compile(self.eager, fullgraph=True, backend=backend)
+        self.failed: str | None = None
+        functools.update_wrapper(self, self.eager)
+
+    def __call__(self, tokens, caches=None, pos=0, *args, **kwargs):
+        if self.failed is not None or caches is not None or (isinstance(pos, int) and pos != 0) \
+                or torch.compiler.is_compiling():
+            return self.eager(tokens, caches, pos, *args, **kwargs)
+        try:
+            return self.compiled(tokens, caches, pos, *args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"train.compile = model: the model does not trace as one graph ({self.failed}); "
+                          "compiling its blocks one by one instead (train.compile = blocks)", stacklevel=2)
+            torch._dynamo.reset()
+            compile_blocks(self.model, self.backend)
+            return self.eager(tokens, caches, pos, *args, **kwargs)
+
+
+def apply_compile(model: torch.nn.Module, mode: str, log: bool = False,
+                  backend: str = "inductor", device: torch.device | None = None) -> list[str]:
+    """``train.compile`` on a built model (after parallelize, before DeepSpeed): the regions compiled
+    (logged with ``log``). ``auto`` is resolved for ``device`` (default: where the parameters are)."""
+    chosen = resolve_mode(mode, model, device)
+    if chosen == "none":
+        done: list[str] = []
+    elif chosen == "blocks":
         done = compile_blocks(model, backend)
+    elif chosen == "model":
+        model.forward = CompiledModel(model, backend)          # type: ignore[method-assign]
+        done = ["forward (fullgraph)"]
     else:
         model.forward = torch.compile(model.forward, backend=backend)    # full: breaks at the solver's host reads
         done = ["forward"]
-    if log:
-        logger.info("train.compile = %s: %s", mode, ", ".join(done) or "no plain region in this model")
+    if log and (chosen != "none" or mode == "auto"):
+        what = ", ".join(done) or ("nothing (CPU)" if chosen == "none" else "no plain region in this model")
+        logger.info("train.compile = %s%s: %s", mode, f" -> {chosen}" if chosen != mode else "", what)
     return done

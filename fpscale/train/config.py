@@ -81,7 +81,9 @@ class TrainConfig:
     loggers: list[Literal["tensorboard", "wandb"]] = field(default_factory=lambda: ["tensorboard"])  # + jsonl
     wandb_project: str = "fpscale"
     wandb_mode: Literal["auto", "offline", "online"] = "auto"   # auto: offline unless an API key is set
-    compile: Literal["none", "blocks", "full"] = "none"   # torch.compile (fpscale.parallel.compile, docs/solver.md)
+    # torch.compile (fpscale.parallel.compile, docs/solver.md): auto = none on CPU; on CUDA model (plain and
+    # one-pass stacks) or blocks (looped layers)
+    compile: Literal["auto", "none", "model", "blocks", "full"] = "auto"
 
     def validate(self, prefix: str = "train") -> None:
         check(self.grad_accum >= 0, f"{prefix}.grad_accum", f"must be >= 0 (0 = derive), got {self.grad_accum}")
@@ -116,8 +118,8 @@ class TrainConfig:
         check(self.keep_last >= 0, f"{prefix}.keep_last", f"must be >= 0 (0 = keep all), got {self.keep_last}")
         check(bool(self.resume), f"{prefix}.resume", "must be auto, none or a checkpoint folder")
         check(self.grad_clip >= 0, f"{prefix}.grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
-        check(self.compile in ("none", "blocks", "full"), f"{prefix}.compile",
-              f"must be one of none, blocks, full, got {self.compile!r}")
+        check(self.compile in ("auto", "none", "model", "blocks", "full"), f"{prefix}.compile",
+              f"must be one of auto, none, model, blocks, full, got {self.compile!r}")
         check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", f"lists a logger twice: {self.loggers}")
         check(self.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
         check_groups(self, prefix)

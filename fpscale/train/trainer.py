@@ -96,7 +96,7 @@ class Trainer:
         self.model = parallelize(model, self.state, rng).to(self.device)
         agree.attach(self.model, self.state)          # solver.agree: dp
         check_cuda_graphs(self.model, self.device, self.state.tp_size)      # solver.cuda_graph: CUDA, no TP
-        apply_compile(self.model, t.compile, log=log and self.state.is_main)   # train.compile
+        apply_compile(self.model, t.compile, log=log and self.state.is_main, device=self.device)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size
             self.state.host_group = new_host_group(checkpoint.save_timeout_s(cfg.parallel, whole_params))
