@@ -15,8 +15,15 @@ The analytic peak is checked against a measurement at a small shape (--measure-*
 d so the weight-sized terms stay negligible), where every tensor the head allocates is tracked
 (a TorchDispatchMode counting each new storage until it is freed): columns peak_small_*.
 
-    python bench/loss_head.py                   # a few seconds on CPU
+On a GPU also the time of one forward + backward under bf16 autocast at the 125m shape, and its peak
+memory beyond the inputs (``time_rows``): the plain head, fpscale's chunked head eager and compiled
+(``torch.compile`` of the head: what ``train.compile: model`` makes of it), and liger-kernel's fused linear
+cross-entropy (``model.loss_kernel: liger``, fpscale.ops.fused_loss; where installed). The faster of the
+chunked and liger heads is the one to make the GPU default (``model.loss_kernel``: chunked until measured).
+
+    python bench/loss_head.py                   # a few seconds on CPU (no time rows: they need a GPU)
     python bench/loss_head.py --measure-tokens 512 --measure-chunk 128
+    python bench/loss_head.py --repeats 20      # a GPU: + the time rows
 """
 from __future__ import annotations
 
@@ -89,6 +96,57 @@ def measure(head, bf16: bool, tokens: int, vocab: int, d: int, chunk: int) -> tu
     return saved.total, tracker.peak
 
 
+def liger_head(h, w, targets, chunk):
+    from fpscale.ops.fused_loss import fused_cross_entropy
+    return fused_cross_entropy(h, w, targets)
+
+
+def time_heads(args, tokens: int) -> list[dict]:
+    """ms per forward + backward (bf16 autocast, CUDA events, median of ``repeats`` after 3 warm-ups) and
+    the peak memory beyond the inputs, per head at the full shape."""
+    import statistics
+
+    from fpscale.ops.fused_loss import liger_available
+    heads = [("plain", plain_head), ("chunked", chunked_head),
+             ("chunked compiled", torch.compile(chunked_head, dynamic=False))]
+    why = liger_available()
+    heads += [("liger", liger_head)] if why is None else []
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(tokens, args.d, device=dev, generator=g).requires_grad_()
+    w = (torch.randn(args.vocab, args.d, device=dev, generator=g) * 0.02).requires_grad_()
+    targets = torch.randint(0, args.vocab, (tokens,), device=dev, generator=g)
+    rows = []
+    for name, head in heads:
+        def step():
+            h.grad = w.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = head(h, w, targets, args.chunk)
+            loss.backward()
+            return loss
+        try:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(args.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss = step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            rows.append({"head": name, "ms_fwd_bwd": statistics.median(times), "loss": float(loss),
+                         "peak_extra_GiB": (torch.cuda.max_memory_allocated() - base) / GIB})
+        except Exception as exc:          # a head that fails here is a row that says why
+            rows.append({"head": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    if why is not None:
+        rows.append({"head": "liger", "error": f"not installed ({why})"})
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -99,6 +157,7 @@ def main(argv=None):
     ap.add_argument("--measure-tokens", type=int, default=1024)
     ap.add_argument("--measure-d", type=int, default=16)
     ap.add_argument("--measure-chunk", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=20, help="timed repeats per head (a GPU only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -121,7 +180,13 @@ def main(argv=None):
           f"d {args.measure_d}, chunk {args.measure_chunk}")
     print_table(rows, ["head", "precision", "chunk", "saved_GiB", "peak_GiB", "saved_small_MiB", "peak_small_MiB",
                        "peak_small_analytic_MiB"])
-    write_json("loss_head", {"args": vars(args), "rows": rows,
+    time_rows = time_heads(args, tokens) if torch.cuda.is_available() else []
+    if time_rows:
+        print(f"\ntime of forward + backward, bf16 autocast, {tokens} tokens, {torch.cuda.get_device_name()}")
+        print_table(time_rows, ["head", "ms_fwd_bwd", "peak_extra_GiB", "loss", "error"])
+    else:
+        print("\ntime rows (plain, chunked eager and compiled, liger): need a GPU")
+    write_json("loss_head", {"args": vars(args), "rows": rows, "time_rows": time_rows,
                              "method": {"saved": "measured with count_saved_bytes at measure_tokens, scaled",
                                         "peak": "analytic (logits-sized buffers); peak_small_* measured"}},
                args.out)

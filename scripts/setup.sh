@@ -62,7 +62,10 @@ if [ "$MODE" = offline ]; then
     echo "[setup] offline: into $("$PYBIN" -c 'import sys; print(sys.prefix)') over torch ${before%% *}, wheels from $WHEELHOUSE"
     PIP="$PYBIN -m pip --disable-pip-version-check -q"
     # the dependencies (what the environment holds stays), then fpscale itself, replaced every time
-    quiet env PIP_NO_INDEX=1 $PIP install --no-index --find-links "$WHEELHOUSE" fpscale
+    # with the fused loss head's liger-kernel where the wheelhouse carries it (its default --extras)
+    extra=""
+    if ls "$WHEELHOUSE"/liger_kernel-*.whl >/dev/null 2>&1; then extra="[liger]"; fi
+    quiet env PIP_NO_INDEX=1 $PIP install --no-index --find-links "$WHEELHOUSE" "fpscale$extra"
     quiet env PIP_NO_INDEX=1 $PIP install --no-index --no-deps --force-reinstall "$(ls "$WHEELHOUSE"/fpscale-*.whl | head -n 1)"
     after=$("$PYBIN" -c "$torch_id")
     if [ "$before" != "$after" ]; then

@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--platform", default="manylinux_2_28_x86_64", help="the target's platform tag")
     ap.add_argument("--have", help="pip freeze of the target environment (or a list of names, versions unknown): "
                                    "nothing it lists is collected")
-    ap.add_argument("--extras", default="", help="fpscale extras to include, comma-separated (e.g. hf)")
+    ap.add_argument("--extras", default="liger",
+                    help="fpscale extras to include, comma-separated (default liger: the fused loss head's "
+                         "liger-kernel, pure Python; e.g. liger,hf; '' for none)")
     ap.add_argument("--out", required=True, help="the wheelhouse folder (created)")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)

@@ -11,6 +11,7 @@ from typing import Literal
 from fpscale.errors import check
 from fpscale.layers import AttnSpec, LayerSpec
 from fpscale.layers.checkpointing import check_mode
+from fpscale.ops.fused_loss import LOSS_KERNELS
 
 
 @dataclass
@@ -45,6 +46,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     loss_chunk: int = 4096        # the loss from the hidden states this many tokens at a time, never the
     # whole logits (fpscale.ops.chunked_loss: same value and gradients); 0: logits, then their loss
+    loss_kernel: str = "chunked"  # chunked (fpscale.ops.chunked_loss) or liger (liger-kernel's fused linear
+    # cross-entropy where Triton runs: fpscale.ops.fused_loss); the chunked head until a GPU has timed both
     dropout: float = 0.0          # on the residual branches of attn, fpsa and fpmamba blocks
     attn_dropout: float = 0.0     # on the attention probabilities of attn layers
     # never inside a fixed-point map: a mask that changed between iterations leaves no fixed point
@@ -70,6 +73,8 @@ class ModelConfig:
         check(self.mlp_ratio > 0, f"{prefix}.mlp_ratio", f"must be > 0, got {self.mlp_ratio}")
         check(self.loss_chunk >= 0, f"{prefix}.loss_chunk",
               f"must be >= 0 (tokens per chunk of the loss; 0: the plain head), got {self.loss_chunk}")
+        check(self.loss_kernel in LOSS_KERNELS, f"{prefix}.loss_kernel",
+              f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernel!r}")
         check(self.max_seq_len >= 1, f"{prefix}.max_seq_len", f"must be >= 1, got {self.max_seq_len}")
         check(len(self.layers) >= 1, f"{prefix}.layers", "needs at least one layer spec")
         check_mode(self.checkpoint, f"{prefix}.checkpoint")

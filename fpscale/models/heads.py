@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fpscale.ops.chunked_loss import chunked_cross_entropy
+from fpscale.ops.fused_loss import choose, fused_cross_entropy
 
 
 class LMHead(torch.nn.Module):
@@ -17,6 +18,7 @@ class LMHead(torch.nn.Module):
     ``model.loss_chunk``). fpscale.parallel swaps in the vocabulary-parallel head."""
 
     sharded_logits = False       # True where each rank holds a vocabulary slice of the logits
+    kernel = "chunked"           # model.loss_kernel: chunked, or liger (fpscale.ops.fused_loss)
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(h, weight)
@@ -28,5 +30,9 @@ class LMHead(torch.nn.Module):
 
     def chunked_loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
         """``loss(forward(h, weight), targets)`` without the logits: ``chunk`` tokens at a time,
-        saving only the logsumexp per token for the backward (fpscale.ops.chunked_loss)."""
+        saving only the logsumexp per token for the backward (fpscale.ops.chunked_loss); with
+        ``kernel = "liger"``, liger-kernel's fused linear cross-entropy where Triton runs
+        (fpscale.ops.fused_loss)."""
+        if self.kernel != "chunked" and choose(self.kernel, h.device) == "liger":
+            return fused_cross_entropy(h, weight, targets)
         return chunked_cross_entropy(h, weight, targets, chunk)

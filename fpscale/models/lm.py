@@ -50,6 +50,7 @@ class LoopedLM(torch.nn.Module):
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead()                  # logits and loss; fpscale.parallel swaps in the vocab-parallel one
+        self.head.kernel = cfg.loss_kernel    # chunked or liger (fpscale.ops.fused_loss)
         self.lm_head = None
         self.last_losses: dict = {}          # the parts of the last loss (forward with targets)
         if not cfg.tie_embeddings:
