@@ -79,8 +79,13 @@ class DistributedBatches:
 
     def next_global_batch(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the next global batch; advances consumed_samples."""
-        idx = self.rank_indices(self.consumed_samples)
+        out = self.peek_global_batch()
         self.consumed_samples += self.global_batch
+        return out
+
+    def peek_global_batch(self) -> list[torch.Tensor]:
+        """This rank's micro-batches of the next global batch, without advancing (the trainer's prefetch)."""
+        idx = self.rank_indices(self.consumed_samples)
         return [self.dataset.batch(idx[i:i + self.micro]) for i in range(0, len(idx), self.micro)]
 
 

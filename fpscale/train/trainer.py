@@ -49,6 +49,14 @@ def split_batch(batch: torch.Tensor, device: torch.device | None = None) -> tupl
     return batch[:, :-1], batch[:, 1:]
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device``: on CUDA through pinned memory, copied without blocking the host (the
+    copy is queued on the stream; the host goes on launching)."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
 def collect_layer_stats(model, into: dict[str, list]) -> None:
     """Append the last forward's statistics of every looped layer to ``into``: the SolverStats
     or HaltingStats themselves, whose tensors stay on the device until a log step reads them
@@ -130,6 +138,7 @@ class Trainer:
             for group, mine in zip(self.optimizer.param_groups, settings):
                 group.update(mine)          # this run's lr_scale, decay, betas, Muon settings, not the saved ones
         self.preempted = False
+        self.ahead: tuple[int, list[torch.Tensor]] | None = None      # the next step's batches (prefetch)
         log = log and self.state.is_main
         self.metrics = MetricsWriter(self.run_dir, enabled=log, loggers=t.loggers, name=cfg.name,
                                      config=config_to_dict(cfg), wandb_project=t.wandb_project, wandb_mode=t.wandb_mode)
@@ -175,13 +184,13 @@ class Trainer:
         model.train()
         model.set_step(self.progress.step)
         lr = apply_schedule(self.optimizer.param_groups, self.progress.step, t)
-        micro_batches = self.batches.next_global_batch()
+        micro_batches = self.next_batches()
         # cross-entropy and the auxiliary losses (epsilon's KL), summed on the device
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         layer_stats: dict[str, list] = {}
         grad_norm = None
         for i, batch in enumerate(micro_batches):
-            inputs, targets = split_batch(batch, self.device)
+            inputs, targets = split_batch(batch)
             if self.engine is not None:        # DeepSpeed scales by the accumulation steps itself
                 loss = self.engine(inputs, targets=targets)
                 self.engine.backward(loss)
@@ -204,9 +213,14 @@ class Trainer:
         else:
             params = [p for p in model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-            self.optimizer.skip_next = not math.isfinite(float(grad_norm))
+            if getattr(self.optimizer, "skips_on_device", False):    # fused AdamW: no host read (train/optim.py)
+                self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+            else:
+                self.optimizer.skip_next = not math.isfinite(float(grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.progress.step + 1 < t.steps:
+            self.prefetch()              # the next step's copies queued while the device finishes this one
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device)
         # losses and norm in one read of the device (one process and ZeRO-0 read the norm before the
         # update too: whether to skip it); per-micro-batch values never leave the device
@@ -219,6 +233,21 @@ class Trainer:
         if self.model.last_losses.get("aux") is not None:
             out["aux_loss"] = aux
         return out
+
+    def next_batches(self) -> list[torch.Tensor]:
+        """This step's micro-batches on the device: the ones ``prefetch`` copied at the end of the last
+        step where they are this step's (the loader's position unchanged since), else read now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == self.batches.consumed_samples:
+            self.batches.consumed_samples += self.batches.global_batch
+            return ahead[1]
+        return [to_device(b, self.device) for b in self.batches.next_global_batch()]
+
+    def prefetch(self) -> None:
+        """Read the next step's micro-batches and queue their copies to the device, before this step's one
+        host read; the loader does not advance (a checkpoint saved now resumes at the next step's batch)."""
+        self.ahead = (self.batches.consumed_samples,
+                      [to_device(b, self.device) for b in self.batches.peek_global_batch()])
 
     def loss_parts(self) -> torch.Tensor:
         """[cross-entropy, auxiliary loss] of the last micro-batch, on the device (float64)."""
