@@ -4,6 +4,7 @@ steps after warm-up), by category, the top kernels, kernels and host-device sync
     python bench/profile_step.py --config configs/125m_attn.yaml                 # GPU: the recipe as it is
     python bench/profile_step.py --config configs/125m_fpsa.yaml --json p.json --trace p.trace.json
     python bench/profile_step.py --config configs/125m_fpmamba.yaml --small      # CPU: small width, seconds
+    python bench/profile_step.py --config configs/125m_attn.yaml --fused-adamw  # CPU with CUDA's fused AdamW
     python bench/profile_step.py --config configs/125m_attn.yaml train.compile=blocks   # any override
 
 Categories (the first rule that matches a kernel, or on CPU a leaf aten op, wins; a name rule also
@@ -254,12 +255,14 @@ def profile(config: str, overrides: list[str], warmup: int, steps: int, micro: i
         sync(trainer.device)
         counted_s = time.perf_counter() - t0
         cfg = trainer.cfg
+        from fpscale.parallel.compile import resolve_mode
+        compiled = resolve_mode(cfg.train.compile, trainer.model, trainer.device)
     if trace:
         prof.export_chrome_trace(trace)
     out = analyse(prof, steps, cuda)
     return {"config": config, "device": "cuda" if cuda else "cpu", "data": source, "overrides": overrides,
             "micro_batch": micro, "seq_len": cfg.data.seq_len, "d_model": cfg.model.d_model,
-            "compile": cfg.train.compile, "warmup": warmup, "steps": steps,
+            "compile": compiled, "warmup": warmup, "steps": steps,
             "host_syncs_per_step": syncs.total, "host_syncs_by_kind": dict(syncs.by_kind),
             "graph_breaks": sum(counters["graph_break"].values()),
             "recompiles": sum(counters["recompiles"].values()), "counted_step_s": counted_s, **out}
@@ -274,6 +277,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 on a GPU, 1 on CPU)")
     ap.add_argument("--steps", type=int, default=None, help="profiled steps (default 3 on a GPU, 1 on CPU)")
     ap.add_argument("--micro", type=int, default=0, help="micro-batch (default: the recipe's on a GPU, 1 small)")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="torch's fused AdamW on CPU too (CUDA's default, fpscale/train/optim.py): the CPU step then "
+                         "counts the host syncs a GPU step makes (CPU's per-tensor AdamW reads each step count)")
     ap.add_argument("--json", help="write the record here (default bench/results/profile_step.json)")
     ap.add_argument("--trace", help="write a Chrome trace of the profiled steps here")
     args = ap.parse_args(argv)
@@ -286,6 +292,9 @@ def main(argv=None) -> dict:
     overrides = (SMALL if small else []) + args.overrides
     warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
     steps = args.steps if args.steps is not None else (3 if gpu else 1)
+    if args.fused_adamw:
+        from fpscale.train import optim
+        optim.fused_by_default = lambda params: True
     micro = args.micro or (1 if small else fpscale.load_config(args.config, overrides).train.micro_batch)
     rec = profile(args.config, overrides, warmup, steps, micro, args.trace)
     print(f"{rec['config']} on {rec['device']} ({'CPU op time' if rec['device'] == 'cpu' else 'kernel time'}), "
