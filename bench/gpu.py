@@ -4,6 +4,7 @@ flash-attn vs SDPA; the largest micro-batch for implicit vs unrolled backward (t
     python bench/gpu.py                          # every configs/125m_*.yaml on cuda:0, bf16
     python bench/gpu.py --configs configs/125m_fpsa.yaml --steps 20
     python bench/gpu.py --quick                  # CPU: tiny configs, seconds (checks the pipeline)
+    python bench/gpu.py --micros 8 16 32 auto --no-fit   # MFU against micro-batch (auto: fpscale-plan's largest)
     python bench/gpu.py --micro 0 --steps 4 --no-fit --plan --budget-s 200   # the checklist's: each recipe's
                                                  # micro-batch, peak vs fpscale-plan, within 200 s
 
@@ -50,6 +51,23 @@ def data_source(path: str, extra: list[str]) -> tuple[list[str], str]:
         print(f"{Path(path).stem}: synthetic tokens ({exc})")
         return ["data.source=synthetic"], "synthetic"
     return [], cfg.data.path
+
+
+def recipe_micro(path: str, extra: list[str], value: int | str = 0) -> int:
+    """The micro-batch to run: ``value`` when a number (0: the recipe's own), the recipe's ``train.micro_batch``,
+    and ``auto`` resolved as the trainer resolves it (fpscale-plan's largest that fits the GPU for one process;
+    on CPU, with no memory to plan against, 1)."""
+    import torch
+
+    import fpscale
+    from fpscale.train.memory_plan import auto_micro_batch
+    cfg = fpscale.load_config(path, extra)
+    value = value or cfg.train.micro_batch
+    if value != "auto":
+        return int(value)
+    if not torch.cuda.is_available():
+        return 1
+    return auto_micro_batch(cfg, 1, torch.device("cuda"), "torch")
 
 
 def trainer_for(path: str, micro: int, steps: int, extra: list[str]):
@@ -152,6 +170,9 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", nargs="*", help="default: configs/125m_*.yaml (--quick: tiny_attn, tiny_fpsa)")
     ap.add_argument("--micro", type=int, default=None,
                     help="micro-batch of the throughput runs (default 8 on a GPU, 1 on CPU, quick 2)")
+    ap.add_argument("--micros", nargs="*", default=None,
+                    help="MFU against micro-batch: run each config at each of these (numbers, or auto: the "
+                         "planner's largest that fits), one row each, and print the MFU table")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on a GPU, 0 on CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on a GPU, 1 on CPU)")
     ap.add_argument("--fit-iters", type=int, default=16)
@@ -201,16 +222,27 @@ def main(argv=None) -> None:
         attention = any(s.type in ("attn", "fpsa", "looped") for s in cfg.model.layers)
         flashes = ("auto", "0") if attention and gpu and not args.no_sdpa_twin else ("auto",)
         for flash in flashes:
-            micro = args.micro or cfg.train.micro_batch          # 0: the recipe's own micro-batch
-            if out_of_time(f"{Path(path).stem} flash={flash}"):
-                continue
-            run = argparse.Namespace(**{**vars(args), "micro": micro})
-            rows.append(throughput(path, run, flash))
-            if args.plan:
-                rows[-1]["plan_gib"] = planned_gib(path, micro, data_source(path, args.override)[0] + args.override)
-            print_table(rows[-1:], columns)
-            save(False)
+            for asked in args.micros or [args.micro]:       # 0: the recipe's own micro-batch (auto: the planner's)
+                micro = recipe_micro(path, args.override, asked)
+                if out_of_time(f"{Path(path).stem} flash={flash} micro={micro}"):
+                    continue
+                run = argparse.Namespace(**{**vars(args), "micro": micro})
+                rows.append({**throughput(path, run, flash), "micro_asked": asked})
+                if args.plan:
+                    rows[-1]["plan_gib"] = planned_gib(path, micro,
+                                                       data_source(path, args.override)[0] + args.override)
+                print_table(rows[-1:], columns)
+                save(False)
     print_table(rows, columns)
+    if args.micros:
+        print("\nMFU executed against micro-batch (tokens/s in brackets)")
+        sweep = {}
+        for r in rows:
+            sweep.setdefault((r["config"], r["flash"]), {})[f"micro {r['micro']}"] = \
+                f"{r['mfu_executed']:.1%} ({r['tokens_per_s']:,.0f})" if r.get("mfu_executed") is not None \
+                else f"- ({r['tokens_per_s']:,.0f})"
+        table = [{"config": c, "flash": f, **cells} for (c, f), cells in sweep.items()]
+        print_table(table, list(dict.fromkeys(k for row in table for k in row)))
     os.environ["FPSCALE_FLASH_ATTN"] = "auto"
     for path in [] if args.no_fit else configs:
         cfg = fpscale.load_config(path)
