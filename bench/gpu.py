@@ -5,6 +5,7 @@ flash-attn vs SDPA; the largest micro-batch for implicit vs unrolled backward (t
     python bench/gpu.py --configs configs/125m_fpsa.yaml --steps 20
     python bench/gpu.py --quick                  # CPU: tiny configs, seconds (checks the pipeline)
     python bench/gpu.py --micros 8 16 32 auto --no-fit   # MFU against micro-batch (auto: fpscale-plan's largest)
+    python bench/gpu.py --compile none auto --micro 0 --no-fit   # eager vs compiled (train.compile), each recipe
     python bench/gpu.py --micro 0 --steps 4 --no-fit --plan --budget-s 200   # the checklist's: each recipe's
                                                  # micro-batch, peak vs fpscale-plan, within 200 s
 
@@ -173,6 +174,9 @@ def main(argv=None) -> None:
     ap.add_argument("--micros", nargs="*", default=None,
                     help="MFU against micro-batch: run each config at each of these (numbers, or auto: the "
                          "planner's largest that fits), one row each, and print the MFU table")
+    ap.add_argument("--compile", nargs="*", default=["auto"],
+                    help="train.compile modes to run each config under, one row each (e.g. none auto: eager vs "
+                         "compiled; auto compiles nothing on CPU)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on a GPU, 0 on CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on a GPU, 1 on CPU)")
     ap.add_argument("--fit-iters", type=int, default=16)
@@ -203,7 +207,8 @@ def main(argv=None) -> None:
                                            zip((args.micro, args.warmup, args.steps), defaults))
     import fpscale
     rows, fit_rows, skipped = [], [], []
-    columns = ["config", "flash", "attention", "scan", "data", "params_M", "micro", "tokens_per_s", "tflops_executed",
+    columns = ["config", "compile", "flash", "attention", "scan", "data", "params_M", "micro", "tokens_per_s",
+               "tflops_executed",
                "mfu_nominal", "mfu_executed", "peak_gib", *(["plan_gib"] if args.plan else []), "iters"]
 
     def save(done: bool) -> None:          # after every run: a timeout leaves what was measured
@@ -222,12 +227,13 @@ def main(argv=None) -> None:
         attention = any(s.type in ("attn", "fpsa", "looped") for s in cfg.model.layers)
         flashes = ("auto", "0") if attention and gpu and not args.no_sdpa_twin else ("auto",)
         for flash in flashes:
-            for asked in args.micros or [args.micro]:       # 0: the recipe's own micro-batch (auto: the planner's)
-                micro = recipe_micro(path, args.override, asked)
-                if out_of_time(f"{Path(path).stem} flash={flash} micro={micro}"):
+            for asked, mode in [(m, c) for m in args.micros or [args.micro] for c in args.compile]:
+                micro = recipe_micro(path, args.override, asked)    # 0: the recipe's own (auto: the planner's)
+                if out_of_time(f"{Path(path).stem} flash={flash} micro={micro} compile={mode}"):
                     continue
-                run = argparse.Namespace(**{**vars(args), "micro": micro})
-                rows.append({**throughput(path, run, flash), "micro_asked": asked})
+                run = argparse.Namespace(**{**vars(args), "micro": micro,
+                                            "override": [*args.override, f"train.compile={mode}"]})
+                rows.append({**throughput(path, run, flash), "micro_asked": asked, "compile": mode})
                 if args.plan:
                     rows[-1]["plan_gib"] = planned_gib(path, micro,
                                                        data_source(path, args.override)[0] + args.override)
@@ -238,10 +244,10 @@ def main(argv=None) -> None:
         print("\nMFU executed against micro-batch (tokens/s in brackets)")
         sweep = {}
         for r in rows:
-            sweep.setdefault((r["config"], r["flash"]), {})[f"micro {r['micro']}"] = \
+            sweep.setdefault((r["config"], r["compile"], r["flash"]), {})[f"micro {r['micro']}"] = \
                 f"{r['mfu_executed']:.1%} ({r['tokens_per_s']:,.0f})" if r.get("mfu_executed") is not None \
                 else f"- ({r['tokens_per_s']:,.0f})"
-        table = [{"config": c, "flash": f, **cells} for (c, f), cells in sweep.items()]
+        table = [{"config": c, "compile": m, "flash": f, **cells} for (c, m, f), cells in sweep.items()]
         print_table(table, list(dict.fromkeys(k for row in table for k in row)))
     os.environ["FPSCALE_FLASH_ATTN"] = "auto"
     for path in [] if args.no_fit else configs:

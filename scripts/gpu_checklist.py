@@ -23,6 +23,12 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
               GPU machine without them
   scan        bench/scan.py
   solver      bench/solver_overhead.py (host reads, ops and wall time per iteration)
+  speed       bench/speed.py (issue 46): bench/profile_step.py (where a step's time goes, kernels and host syncs
+              per step, graph breaks) for 125m_attn, 125m_fpsa and 125m_fpmamba eager and compiled, and
+              bench/gpu.py eager vs compiled (train.compile none / auto) for every 125m recipe and
+              140m_attractor at micro-batch 8, each run under its own deadline, written to <out>/speed/ as they
+              finish (on CPU: 125m_attn at small width, where auto compiles nothing: the pipeline only).
+              The first call of a GPU session: bash scripts/gpu_checklist.sh --only speed --budget-s 480
   chunks      bench/chunk_timing.py: the solver loop eager vs chunk-compiled vs chunk-graphed
               (solver.chunk, solver.cuda_graph), per iteration and per training step, for the 125m
               configs with a chunked solve (on CPU: 125m_fpsa at the recipes step's CPU sizes, the
@@ -113,6 +119,10 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
                 "model.layers.0.repeat=1", "model.layers.2.repeat=1"])
     steps.append({"name": "chunks", "cmd": chunks, "cap": 240, "read": "bench", "json": out / "chunks.json",
                   "budget_flag": True})
+    speed = [py, "bench/speed.py", "--out", str(out / "speed")]
+    speed += (["--traces"] if gpu else ["--cpu-sizes", "--configs", "125m_attn", "--profiles"])
+    steps.append({"name": "speed", "cmd": speed, "cap": 480 if gpu else 120, "read": "speed",
+                  "json": out / "speed" / "speed.json", "budget_flag": True})
     return steps
 
 
@@ -160,12 +170,26 @@ def read_result(step: dict, log: Path) -> dict:
                     "tokens_per_s": train[-1]["tokens_per_s"],
                     "iters": {n: s["iters_mean"] for n, s in train[-1]["layers"].items()},
                     "engine": "deepspeed" if "engine deepspeed" in log.read_text() else "?"}
+        if step["read"] == "speed":
+            data = json.loads(Path(step["json"]).read_text())
+            return {"complete": data["complete"], "skipped": data["skipped"],
+                    "runs": [{"name": r["name"], "status": r["status"], "seconds": r["seconds"],
+                              **speed_brief(r.get("result", {}))} for r in data["runs"]]}
         if step["read"] == "bench":
             data = json.loads(Path(step["json"]).read_text())
             return {k: data[k] for k in ("rows", "read_rows", "time_rows", "skipped", "complete") if k in data}
     except (OSError, ValueError, KeyError, IndexError) as exc:
         return {"unreadable": f"{type(exc).__name__}: {exc}"}
     return {}
+
+
+def speed_brief(result: dict) -> dict:
+    """A speed run's figures for the record: a profile's shares and counts, a bench's rows."""
+    if "shares" in result:
+        return {k: result[k] for k in ("compile", "step_ms", "kernels_per_step", "host_syncs_per_step",
+                                       "graph_breaks", "recompiles", "shares")}
+    return {"rows": [{k: row.get(k) for k in ("config", "compile", "micro", "tokens_per_s", "mfu_nominal",
+                                               "mfu_executed", "peak_gib")} for row in result.get("rows", [])]}
 
 
 def compare(runs: Path) -> int:
@@ -207,6 +231,17 @@ def summary(out: Path, records: list[dict], budget: float, started: float) -> No
                 lines.append(f"| {row['config']} | {row['tokens_per_s']:,.0f} | {pct(row.get('mfu_nominal'))} | "
                              f"{pct(row.get('mfu_executed'))} | {row['peak_gib']:.2f} | "
                              f"{fmt(row.get('plan_gib'))} | {row['iters']} |")
+    for r in records:
+        if r["step"] == "speed" and r.get("result", {}).get("runs"):
+            lines += ["", "| speed run | status | compile | ms/step | kernels/step | syncs/step | breaks | "
+                      "tokens/s | MFU executed | shares |", "|" + " --- |" * 10]
+            for run in r["result"]["runs"]:
+                shares = " ".join(f"{k} {v:.0%}" for k, v in run.get("shares", {}).items() if v >= 0.01)
+                for row in run.get("rows") or [{}]:
+                    lines.append(f"| {run['name']} | {run['status']} | {row.get('compile', run.get('compile', '-'))} | "
+                                 f"{fmt(run.get('step_ms'))} | {fmt(run.get('kernels_per_step'))} | "
+                                 f"{run.get('host_syncs_per_step', '-')} | {run.get('graph_breaks', '-')} | "
+                                 f"{fmt(row.get('tokens_per_s'))} | {pct(row.get('mfu_executed'))} | {shares} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 

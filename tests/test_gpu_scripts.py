@@ -64,7 +64,7 @@ def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
                                    "max_micro_unroll": "needs a GPU"}]
 
 
-STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver", "chunks"]
+STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver", "chunks", "speed"]
 
 
 def records(out) -> list[dict]:
@@ -102,6 +102,12 @@ def test_gpu_checklist_on_cpu_finishes_under_its_budget(tmp_path):
     chunks = next(r for r in got if r["step"] == "chunks")["result"]     # issue 39: graphed needs CUDA, said
     assert [row["mode"] for row in chunks["rows"]] == ["eager", "compiled"], chunks
     assert any("graphed" in s and "CUDA" in s for s in chunks["skipped"]), chunks
+    speed = next(r for r in got if r["step"] == "speed")["result"]    # issue 46: the profile and eager vs compiled
+    assert speed["complete"] and [r["name"] for r in speed["runs"]] == [
+        "profile_125m_attn_none", "profile_125m_attn_auto", "gpu_125m_attn"], speed
+    assert all(r["status"] == "ok" for r in speed["runs"]) and speed["runs"][0]["graph_breaks"] == 0
+    assert [row["compile"] for row in speed["runs"][2]["rows"]] == ["none", "auto"]
+    assert "| profile_125m_attn_none | ok | none |" in summary
 
 
 @pytest.mark.slow
