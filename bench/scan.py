@@ -6,6 +6,10 @@ backward, and the kernel launches per scan call.
     python bench/scan.py                          # on a GPU: pytorch, triton, mamba-ssm where installed
     python bench/scan.py --device cpu --repeats 1 # on CPU only the PyTorch scan runs; the others say why
 
+Also the achieved memory bandwidth of each scan: the least bytes it can move (every input read once, every
+output written once, ``min_bytes``) over its time, in GB/s and as a share of the GPU's HBM bandwidth
+(``BANDWIDTH_GBS`` by device name, or ``--bandwidth-gbs``): a scan is memory-bound, so this is its roofline.
+
 The scans: ``pytorch`` (fpscale.ops.scan.selective_scan, chunked), ``triton``
 (fpscale.ops.scan_triton, one kernel forward and one backward), ``mamba-ssm`` (its
 ``selective_scan_fn``, called as fpscale.ops.scan_kernels calls it). A kernel that needs a GPU
@@ -38,6 +42,29 @@ from fpscale.ops.scan import selective_scan
 from fpscale.profiling import count_saved_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
+# HBM bandwidth (GB/s) by device name, from the vendors' data sheets (SXM parts; --bandwidth-gbs for others)
+BANDWIDTH_GBS = {"H200": 4800, "H100": 3350, "A100-SXM4-80GB": 2039, "A100 80GB": 2039, "A100": 1555, "L40S": 864,
+                 "L4": 300}
+
+
+def peak_bandwidth(device: torch.device, given: float | None) -> float | None:
+    if given:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((gbs for key, gbs in BANDWIDTH_GBS.items() if key in name), None)
+
+
+def min_bytes(geo: dict, element: int) -> tuple[int, int]:
+    """The least a scan can move (forward; forward + backward): each input read once and each output written
+    once. Forward: x, dt [B, T, c], B, C [B, T, n], A [c, n] in, y [B, T, c] out. Backward: those inputs and
+    gy in again, their five gradients out (a kernel that recomputes h from checkpoints reads no more)."""
+    bt, c, n = geo["B"] * geo["T"], geo["d_inner"], geo["d_state"]
+    inputs = (2 * bt * c + 2 * bt * n + c * n) * element
+    fwd = inputs + bt * c * element
+    bwd = inputs + bt * c * element + inputs
+    return fwd, fwd + bwd
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
              "resize_", "set_"}
@@ -180,12 +207,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="the device's memory bandwidth (GB/s) for the *_of_peak columns (default: by GPU name)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     geo = geometry(args)
+    peak = peak_bandwidth(device, args.bandwidth_gbs)
     rows = []
     for name in args.dtypes:
         leaves = make_inputs(geo, DTYPES[name], device)
@@ -201,12 +231,21 @@ def main(argv=None):
                     row["note"] = "launches: its ATen ops, +ext (its own CUDA kernels)"
                 base = row["fwd_bwd_ms"] if scan == "pytorch" else base
                 row["x_pytorch"] = base / row["fwd_bwd_ms"] if base else None
+                fwd_bytes, both_bytes = min_bytes(geo, leaves[0].element_size())
+                row["fwd_GBs"] = fwd_bytes / row["fwd_ms"] / 1e6
+                row["fwd_bwd_GBs"] = both_bytes / row["fwd_bwd_ms"] / 1e6
+                if peak:
+                    row["fwd_of_peak"], row["fwd_bwd_of_peak"] = row["fwd_GBs"] / peak, row["fwd_bwd_GBs"] / peak
             rows.append(row)
     print(f"selective scan at B={geo['B']} T={geo['T']} d_inner={geo['d_inner']} d_state={geo['d_state']} on {device} "
           f"({args.config}), median of {args.repeats}")
     print_table(rows, ["scan", "dtype", "fwd_ms", "fwd_bwd_ms", "x_pytorch", "saved_MiB", "launches_fwd",
                        "launches_fwd_bwd", "note"])
-    write_json("scan", {"args": vars(args), "geometry": geo, "rows": rows}, args.out)
+    print(f"\nachieved memory bandwidth: the least bytes a scan moves / its time (forward; forward + backward), "
+          f"against the device's {f'{peak:,.0f} GB/s' if peak else 'bandwidth (unknown: --bandwidth-gbs)'}")
+    print_table([r for r in rows if "fwd_GBs" in r], ["scan", "dtype", "fwd_GBs", "fwd_of_peak", "fwd_bwd_GBs",
+                                                       "fwd_bwd_of_peak"])
+    write_json("scan", {"args": vars(args), "geometry": geo, "peak_bandwidth_GBs": peak, "rows": rows}, args.out)
     return rows
 
 

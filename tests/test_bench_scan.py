@@ -28,6 +28,8 @@ def check(report: dict) -> dict:
     torch_row = rows["pytorch"]
     assert torch_row["fwd_ms"] > 0 and torch_row["fwd_bwd_ms"] > 0 and torch_row["x_pytorch"] == 1
     assert torch_row["saved_MiB"] > 0
+    assert torch_row["fwd_GBs"] > 0 and torch_row["fwd_bwd_GBs"] > 0 and "fwd_of_peak" not in torch_row   # CPU
+    assert report["peak_bandwidth_GBs"] is None
     assert 350 <= torch_row["launches_fwd"] <= 450, torch_row
     assert 900 <= torch_row["launches_fwd_bwd"] <= 1100, torch_row
     assert "needs a GPU" in rows["triton"]["note"] and "fwd_ms" not in rows["triton"], rows["triton"]
