@@ -229,6 +229,9 @@ def main(argv=None):
                 row.update(measure(fn, leaves, weight, device, args.repeats))
                 if scan == "mamba-ssm":
                     row["note"] = "launches: its ATen ops, +ext (its own CUDA kernels)"
+                if scan == "triton":       # the forward's block sizes, autotuned for this (d_inner, d_state)
+                    best = scan_triton._scan_fwd_tuned.best_config
+                    row["note"] = f"forward tuned: BLOCK_C {best.kwargs['BLOCK_C']}, {best.num_warps} warps"
                 base = row["fwd_bwd_ms"] if scan == "pytorch" else base
                 row["x_pytorch"] = base / row["fwd_bwd_ms"] if base else None
                 fwd_bytes, both_bytes = min_bytes(geo, leaves[0].element_size())

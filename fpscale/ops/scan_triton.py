@@ -36,9 +36,12 @@ T 2048, c 1536, n 16, chunk 64), against 96 MiB of chunk starts for the PyTorch 
 scratch is 4 B (c / block_c) (chunk + 1) block_c n' bytes (n' = n padded), freed after it.
 Each step loop is software-pipelined (``tl.range(..., num_stages=STAGES)``: the next steps' loads are in
 flight while one step computes), and a sequence shorter than the chunk runs a chunk of the next power of
-two (decoding: one step, not 64). Block sizes (block_c 32, chunk 64, 3 stages) and warps are untuned
-defaults: compiled ahead of time for sm_80 and sm_90 (Triton 3.9, ptxas) they take 48-56 registers
-forward and 116-128 backward without spills up to d_state 128; they have not run on a GPU yet.
+two (decoding: one step, not 64). The forward's block_c and warps are tuned per (d_inner, d_state) by
+``triton.autotune`` on first use (``FWD_CONFIGS``, those whose state fits the registers; under the
+interpreter each config runs once and the tests hold every one to the reference); the backward's (block_c
+32), the chunk (64) and the stages (3) are untuned defaults. At block_c 32, compiled ahead of time for
+sm_80 and sm_90 (Triton 3.9, ptxas), the kernels take 48-56 registers forward and 116-128 backward without
+spills up to d_state 128 (the other forward configs are unchecked there); the tuning has not run on a GPU yet.
 
 Triton is optional: without it this module imports and ``TRITON_SCAN_ERROR`` says why (None when
 triton is not installed, the exception when it is installed but does not import, as
@@ -54,6 +57,7 @@ the interpreter (tests/ops/test_scan_triton.py runs them in a child process with
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -64,6 +68,8 @@ DEFAULT_CHUNK = 64
 DEFAULT_BLOCK_C = 32
 MAX_D_STATE = 128          # the state of a program lives in registers: [block_c, n] (256 spills in the backward)
 STAGES = 3                 # software pipelining of each step loop's loads (tl.range num_stages)
+# the forward's (BLOCK_C, warps) tried by triton.autotune per (d_inner, d_state): block_c=None
+FWD_CONFIGS = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
@@ -186,6 +192,25 @@ if AVAILABLE:
     # FMA contraction on, as Triton's default was until 3.9 (which warns when it is unset)
     _LAUNCH = {} if INTERPRET else {"enable_fp_fusion": True}
 
+    def _fitting(configs, named_args, **kwargs):
+        """The forward's configs whose [BLOCK_C, BLOCK_N] state stays in registers (at most 4096 fp32
+        elements a program: 32 a thread at 4 warps); the smallest when none does."""
+        fits = [cf for cf in configs if cf.kwargs["BLOCK_C"] * kwargs["BLOCK_N"] <= 4096]
+        return fits or configs[:1]
+
+    def _run_once(kernel_call, quantiles):
+        """The interpreter's stand-in for do_bench (which times CUDA events): run each config once (so every
+        config is executed, and checked by the tests), timed on the host."""
+        t0 = time.perf_counter()
+        kernel_call()
+        return [time.perf_counter() - t0] * len(quantiles)
+
+    # the forward with its block sizes tuned per shape (d_inner, d_state) on first use: block_c=None
+    _scan_fwd_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_C": bc}, num_warps=w) for bc, w in FWD_CONFIGS],
+        key=["c", "n"], prune_configs_by={"early_config_prune": _fitting},
+        do_bench=_run_once if INTERPRET else None)(_scan_fwd)
+
 
 def _geometry(n: int, block_c: int) -> tuple[int, int]:
     """BLOCK_N (n padded to a power of two) and the warps of a program (untuned: about 8 state
@@ -240,18 +265,22 @@ class _TritonScan(torch.autograd.Function):
         Bsz, T, c = x.shape
         n = A.shape[1]
         n_chunks = -(-T // chunk)
-        block_n, warps = _geometry(n, block_c)
+        block_n, warps = _geometry(n, block_c or DEFAULT_BLOCK_C)
         save = grad_enabled and any(ctx.needs_input_grad[:6])     # (needs_input_grad ignores no_grad)
         A = A.contiguous()
         h0c = None if h0 is None else h0.contiguous()
         y = x.new_empty(Bsz, T, c)
         last = x.new_empty(Bsz, c, n)
         ckpt = x.new_empty((Bsz, n_chunks, c, n) if save else (1,), dtype=torch.float32)
-        grid = (Bsz, triton.cdiv(c, block_c))
-        _scan_fwd[grid](x, dt, A, B, C, last if h0c is None else h0c, y, last, ckpt,
-                        *_strides(x), *_strides(dt), *_strides(B), *_strides(C), T, c, n, n_chunks,
-                        HAS_H0=h0 is not None, SAVE=save, CHUNK=chunk, BLOCK_C=block_c, BLOCK_N=block_n,
-                        STAGES=STAGES, num_warps=warps, **_LAUNCH)
+        args = (x, dt, A, B, C, last if h0c is None else h0c, y, last, ckpt,
+                *_strides(x), *_strides(dt), *_strides(B), *_strides(C), T, c, n, n_chunks)
+        if block_c is None:           # autotuned per (c, n): the checkpoints' layout does not depend on it
+            _scan_fwd_tuned[lambda meta: (Bsz, triton.cdiv(c, meta["BLOCK_C"]))](
+                *args, HAS_H0=h0 is not None, SAVE=save, CHUNK=chunk, BLOCK_N=block_n, STAGES=STAGES, **_LAUNCH)
+        else:
+            _scan_fwd[(Bsz, triton.cdiv(c, block_c))](
+                *args, HAS_H0=h0 is not None, SAVE=save, CHUNK=chunk, BLOCK_C=block_c, BLOCK_N=block_n,
+                STAGES=STAGES, num_warps=warps, **_LAUNCH)
         ctx.mark_non_differentiable(last)
         if save:
             ctx.chunk, ctx.block_c, ctx.has_h0 = chunk, block_c, h0 is not None
@@ -263,7 +292,7 @@ class _TritonScan(torch.autograd.Function):
     def backward(ctx, gy, _glast):
         x, dt, A, B, C, ckpt = ctx.saved_tensors
         Bsz, T, c = x.shape
-        n, chunk, block_c = A.shape[1], ctx.chunk, ctx.block_c
+        n, chunk, block_c = A.shape[1], ctx.chunk, ctx.block_c or DEFAULT_BLOCK_C
         block_n, warps = _geometry(n, block_c)
         n_blocks = triton.cdiv(c, block_c)
         f32 = dict(dtype=torch.float32)
@@ -283,18 +312,19 @@ class _TritonScan(torch.autograd.Function):
 
 def triton_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           h0: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                          block_c: int = DEFAULT_BLOCK_C) -> tuple[torch.Tensor, torch.Tensor]:
+                          block_c: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, dt: [B, T, c]; A: [c, n] (<= 0); B, C: [B, T, n]; h0: [B, c, n] or None (one dtype: float32,
     bfloat16 or float16). Returns y [B, T, c] and the last state [B, c, n] in that dtype; the state
     runs in float32. ``chunk``: steps between the checkpoints kept for backward; ``block_c``:
-    channels per program (a power of two)."""
+    channels per program (a power of two), or None: the forward's tuned per (c, n) by ``triton.autotune``
+    over ``FWD_CONFIGS`` on first use, the backward's ``DEFAULT_BLOCK_C``."""
     why = runnable(x)
     if why is not None:
         raise RuntimeError(f"fpscale's Triton scan cannot run here: {why}")
     check_inputs(x, dt, A, B, C, h0)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if block_c < 1 or block_c & (block_c - 1):
+    if block_c is not None and (block_c < 1 or block_c & (block_c - 1)):
         raise ValueError(f"block_c must be a power of two, got {block_c}")
     chunk = min(chunk, triton.next_power_of_2(x.shape[1]))       # decoding (T = 1) runs one step, not 64
     device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()   # launch on x's GPU

@@ -111,6 +111,19 @@ def test_kernel_bfloat16_inputs_keep_a_float32_state():
 
 
 @interpreted
+def test_kernel_autotuned_forward_tries_every_config_and_each_matches_the_reference():
+    """block_c=None (the dispatch's default): triton.autotune runs every config of FWD_CONFIGS whose state
+    fits the registers (under the interpreter once each) and keeps one; the result, and the forward at each
+    config's block_c (40 channels: blocks of 16 and 32 end masked), match the float64 reference."""
+    tuned = scan_triton._scan_fwd_tuned
+    compare(21, torch.float32, True, 1e-6, 1e-5, block_c=None, c=40)
+    assert {cf.kwargs["BLOCK_C"] for cf in tuned.configs_timings} == {bc for bc, _ in scan_triton.FWD_CONFIGS}
+    assert tuned.best_config.kwargs["BLOCK_C"] in {bc for bc, _ in scan_triton.FWD_CONFIGS}
+    for block_c, _ in scan_triton.FWD_CONFIGS:
+        compare(21, torch.float32, False, 1e-6, 1e-5, block_c=block_c, c=40)
+
+
+@interpreted
 @pytest.mark.slow
 @pytest.mark.parametrize("T,chunk,block_c,dtype,with_h0", [(70, 16, 8, torch.float32, False),
                                                            (37, 64, 8, torch.bfloat16, False),
@@ -153,16 +166,19 @@ def test_kernel_checkpoints_only_where_a_gradient_can_follow(monkeypatch):
     """The forward writes its checkpoints only when grad mode is on and an input requires grad
     (decoding under no_grad with a parameter-derived A writes none)."""
     saves = []
-    kernel = scan_triton._scan_fwd
 
     class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 saves.append(kwargs["SAVE"])
-                return kernel[grid](*args, **kwargs)
+                return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(scan_triton, "_scan_fwd", Spy())
+    for name in ("_scan_fwd", "_scan_fwd_tuned"):        # a fixed block_c, and the autotuned default
+        monkeypatch.setattr(scan_triton, name, Spy(getattr(scan_triton, name)))
     (x, dt, A, B, C, _), _ = inputs(3, c=4, n=2, batch=1)
     A.requires_grad_()
     with torch.no_grad():
