@@ -214,8 +214,16 @@ class FPMambaBlock(torch.nn.Module):
         self.checkpoint = layer_mode(cfg, spec)
 
     def compile_regions(self) -> tuple[str, ...]:
-        """What ``train.compile: blocks`` compiles: the MLP sublayer after the solve, if any."""
-        return ("mlp_sublayer",) if self.mlp is not None else ()
+        """What ``train.compile: blocks`` compiles: the MLP sublayer after the solve, if any, and FP-Mamba's
+        work around its solve: the input path before it (in-projection, causal conv, SiLU: ``mixer.inputs``)
+        and the gate outside it (``mixer.gated_output``, where the gate is outside the loop), each fused by
+        the compiler into a few kernels. FP-Mamba-2's mixer has neither method: its MLP alone."""
+        regions = ("mlp_sublayer",) if self.mlp is not None else ()
+        if hasattr(self.mixer, "inputs"):
+            regions += ("mixer.inputs",)
+        if hasattr(self.mixer, "gated_output") and getattr(self.mixer, "gate", "inside") != "inside":
+            regions += ("mixer.gated_output",)
+        return regions
 
     def mlp_sublayer(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)

@@ -14,7 +14,10 @@
              the depth): every block declares its plain regions (``compile_regions()``, the way it
              declares ``tp_plan()``):
                attn                 the whole block (attention, MLP, norms, dropout, checkpointing)
-               fpsa, fpmamba(2)     the MLP sublayer after the solve (``mlp_sublayer``); the solve
+               fpmamba              the MLP sublayer, the input path before the solve (``mixer.inputs``:
+                                    in-projection, causal conv, SiLU) and the gate outside it
+                                    (``mixer.gated_output``), each fused by the compiler
+               fpsa, fpmamba2       the MLP sublayer after the solve (``mlp_sublayer``); the solve
                                     itself is the solver's (``solver.compile`` compiles its step,
                                     ``solver.chunk`` its iterations: docs/solver.md)
                epsilon              one step of the halting loop (``halting_step``: the block and
@@ -44,6 +47,7 @@ shadows the method): checkpoints, the registry and ZeRO see the same module tree
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 from typing import Callable
@@ -69,10 +73,12 @@ class CompiledRegion:
         self.is_forward = getattr(eager, "__name__", "") == "forward"
         self.compiled = torch.compile(eager, fullgraph=True, backend=backend)
         self.failed: str | None = None
+        self.signature = None if self.is_forward else inspect.signature(eager)
         functools.update_wrapper(self, eager)
 
     def __call__(self, *args, **kwargs):
-        if self.failed is not None or _decoding(self.is_forward, args, kwargs) or torch.compiler.is_compiling():
+        if self.failed is not None or _decoding(self.is_forward, args, kwargs, self.signature) \
+                or torch.compiler.is_compiling():
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
@@ -83,11 +89,18 @@ class CompiledRegion:
             return self.eager(*args, **kwargs)
 
 
-def _decoding(is_forward: bool, args, kwargs) -> bool:
+DECODE_ARGS = ("past", "cache", "y_prev")     # a region's arguments that only decoding gives (not None)
+
+
+def _decoding(is_forward: bool, args, kwargs, signature: inspect.Signature | None = None) -> bool:
     """A block's forward(x, pos, cache, pad) called to decode: a cache, or a position past 0; another
-    region (epsilon's halting_step): a ``past`` cache entry given."""
+    region (epsilon's halting_step, FP-Mamba's mixer.inputs and mixer.gated_output): one of ``DECODE_ARGS``
+    given (epsilon's ``past`` cache entry, the decoding cache, the previous token's output)."""
     if not is_forward:
-        return kwargs.get("past") is not None
+        if signature is None:
+            return kwargs.get("past") is not None
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        return any(bound.get(name) is not None for name in DECODE_ARGS)
     pos = kwargs.get("pos", args[1] if len(args) > 1 else 0)
     cache = kwargs.get("cache", args[2] if len(args) > 2 else None)
     return cache is not None or (isinstance(pos, int) and pos != 0)
@@ -102,12 +115,14 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> list[st
     for i, block in enumerate(layers):
         declared = getattr(block, "compile_regions", None)
         regions: tuple[str, ...] = declared() if callable(declared) else ()
-        for name in regions:
+        for name in regions:            # a method of the block, or of a submodule ("mixer.inputs")
             label = f"model.layers[{i}] ({type(block).__name__}).{name}"
-            method = getattr(block, name)
+            *path, attr = name.split(".")
+            owner = functools.reduce(getattr, path, block)
+            method = getattr(owner, attr)
             if isinstance(method, CompiledRegion):
                 continue
-            setattr(block, name, CompiledRegion(method, label, backend))
+            setattr(owner, attr, CompiledRegion(method, label, backend))
             done.append(f"layers.{i}.{name}")
     return done
 

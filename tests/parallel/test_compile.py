@@ -1,5 +1,6 @@
 """``train.compile``: compiled plain blocks train as eager does, in whole graphs; a region that cannot
 compile is named and runs eager; the key is validated."""
+import functools
 import warnings
 
 import pytest
@@ -23,7 +24,7 @@ def losses(tmp_path, mode: str, steps: int, *extra: str) -> tuple[list[float], l
         f"train.compile={mode}", *extra])
     with Trainer(cfg, log=False) as trainer:
         history = trainer.train()
-        regions = [getattr(block, name) for block in trainer.model.layers
+        regions = [functools.reduce(getattr, name.split("."), block) for block in trainer.model.layers
                    for name in (block.compile_regions() if hasattr(block, "compile_regions") else ())]
     return [r["loss"] for r in history if r["kind"] == "train"], [getattr(r, "failed", "eager") for r in regions]
 
@@ -32,10 +33,11 @@ def losses(tmp_path, mode: str, steps: int, *extra: str) -> tuple[list[float], l
 def test_compiled_blocks_train_tiny_mixed_as_eager(tmp_path):
     """20 fp32 steps of tiny_mixed (attn, fpsa, fpmamba, looped, attn) with the MLP sublayers
     recomputed: the same losses, to rounding (rel 1e-5), every declared region compiled (the two
-    attn blocks, fpsa's MLP sublayer). Minutes on a shared CPU, almost all of it Inductor's build."""
+    attn blocks, fpsa's MLP sublayer, fpmamba's input path). Minutes on a shared CPU, almost all of it
+    Inductor's build."""
     eager, _ = losses(tmp_path, "none", 20, "model.checkpoint=mlp")
     compiled, failed = losses(tmp_path, "blocks", 20, "model.checkpoint=mlp")
-    assert failed == [None, None, None]
+    assert failed == [None, None, None, None]
     assert len(eager) == 20
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 

@@ -63,15 +63,17 @@ def train_compiled(tmp_path, monkeypatch, name: str, mode: str, steps: int = 3) 
 def test_blocks_trace_every_recipe_without_a_break_or_recompilation(tmp_path, monkeypatch, name):
     """Every region a block declares compiles whole (a failure would warn: an error here) and one graph
     per block type serves every step. The solves themselves run eager in training (``solver.chunk``
-    compiles them in evaluation: fpscale/solvers/chunked.py); 125m_mamba1 and 125m_fpmamba_authors
-    declare no region (no MLP: the whole block is the solve)."""
+    compiles them in evaluation: fpscale/solvers/chunked.py); FP-Mamba's input path (in-projection, conv,
+    SiLU) and its gate outside the loop are regions of their own."""
     counts, model, losses = train_compiled(tmp_path, monkeypatch, name, "blocks")
     assert counts["graph_breaks"] == 0, counts["reasons"]
     assert counts["recompiles"] == 0, counts
-    regions = [getattr(b, r) for b in model.layers for r in (b.compile_regions() if hasattr(b, "compile_regions")
-                                                              else ())]
+    regions = [functools.reduce(getattr, r.split("."), b) for b in model.layers
+               for r in (b.compile_regions() if hasattr(b, "compile_regions") else ())]
     assert all(r.failed is None for r in regions)
-    assert (counts["graphs"] > 0) == bool(regions)
+    assert regions and counts["graphs"] > 0
+    if "fpmamba" in name or "mamba" in name:
+        assert any(r.label.endswith("mixer.inputs") for r in regions)
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -90,3 +92,33 @@ def test_model_traces_a_plain_stack_whole_and_trains_as_eager(tmp_path, monkeypa
     assert counts["graph_breaks"] == 0 and counts["recompiles"] == 0 and counts["graphs"] == 1, counts
     _, _, eager = train_compiled(tmp_path / "eager", monkeypatch, name, "none")
     assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fpmamba_regions_run_eager_when_decoding():
+    """FP-Mamba's compiled input path and gate: a decoding call (a cache, the previous token's output) runs
+    the eager method, and token-by-token generation gives eager's logits with no graph break. The regions
+    with no decoding argument compile once more for one-token shapes (the MLP sublayer, and the gate at the
+    first decoded token, whose previous output is not cached yet): 2 graphs, then none."""
+    from torch._dynamo.utils import counters
+    over = ["model.d_model=32", "model.n_heads=2", "model.vocab_size=64",
+            "model.layers=[{type: fpmamba, mixer: householder, d_state: 8, gate: outside, mlp: true}]"]
+    cfg = fpscale.load_config(None, over)
+    torch.manual_seed(0)
+    model = fpscale.build_model(cfg).eval()
+    torch.manual_seed(0)
+    eager = fpscale.build_model(cfg).eval()
+    assert compile_mod.apply_compile(model, "blocks", backend="aot_eager") == [
+        "layers.0.mlp_sublayer", "layers.0.mixer.inputs", "layers.0.mixer.gated_output"]
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), eager(tokens), rtol=1e-5, atol=1e-6)
+        graphs = counters["stats"]["unique_graphs"]
+        caches, caches_eager = model.new_caches(), eager.new_caches()
+        for pos in range(4):
+            step = tokens[:, pos:pos + 1]
+            torch.testing.assert_close(model(step, caches, pos), eager(step, caches_eager, pos), rtol=1e-5, atol=1e-6)
+    assert graphs == 3 and counters["stats"]["unique_graphs"] == graphs + 2
+    assert sum(counters["graph_break"].values()) == 0
