@@ -246,13 +246,13 @@ def write_tables(out: str, records: list[dict], header: dict) -> None:
         fh.write("\n".join(lines) + "\n")
 
 
-def run_table(name: str, rows: list[dict], cap: float, min_row_s: float, run, emit) -> None:
+def run_table(name: str, rows: list[dict], cap: float, min_row_s: float, run, emit, grace: float = GRACE) -> None:
     """Run ``rows`` within ``cap`` seconds: ``run(row, seconds, deadline)`` -> its record; ``emit(row, status,
     record)`` writes each. A row starts only with ``min_row_s`` left; past cap + GRACE (SIGALRM) the row in
-    progress is a timeout and the rest are skipped."""
+    progress is a timeout and the rest are skipped (``grace``: GRACE)."""
     deadline = time.monotonic() + cap
     previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, cap + GRACE)
+    signal.setitimer(signal.ITIMER_REAL, cap + grace)
     try:
         for i, row in enumerate(rows):
             left = deadline - time.monotonic()
@@ -264,7 +264,7 @@ def run_table(name: str, rows: list[dict], cap: float, min_row_s: float, run, em
                 emit(row, "ok", run(row, left / (len(rows) - i), deadline))
             except TableTimeout:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                emit(row, "timeout", {"why": f"killed at table {name}'s cap of {cap:.0f} s + {GRACE:.0f} s",
+                emit(row, "timeout", {"why": f"killed at table {name}'s cap of {cap:.0f} s + {grace:.0f} s",
                                       "seconds": round(time.monotonic() - t0, 1)})
                 for rest in rows[i + 1:]:
                     emit(rest, "skipped", {"why": f"table {name} timed out"})
