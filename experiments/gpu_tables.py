@@ -212,6 +212,53 @@ def run_row(name: str, row: dict, s: dict, args, seconds: float, deadline: float
     return out
 
 
+def estimate(names: list[str], out: str, launch_us: float = 10.0, tflops: float = 300.0, count_batch: int = 8) -> None:
+    """``--estimate``: per model of each table at the GPU geometry, one training step on this machine counted
+    (aten ops dispatched, matmul FLOPs: device-independent), and the H200 time of the authors' budget it implies:
+    a step costs at least ops x ``launch_us`` (eager launches, host-bound at these sizes) and FLOPs / ``tflops``
+    (a third of the H200's dense bf16 peak); the larger is the estimate. Counted at ``count_batch`` words (the
+    ops do not depend on the batch), the FLOPs scaled to the table's batch. CPU ops include the torch solver
+    bookkeeping that the fused kernels replace on CUDA (~40 ops per iteration against 4): an upper bound."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    geometry, rows = sizes(True), []
+    for name in names:
+        s = geometry[name]
+        for row in [r for r in rows_of(name, s, [0]) if r["task"] != "s3"]:      # A5: S3's step, a smaller vocab
+            train, vocab, train_len, _ = tasks(name, row, s, "cpu")
+            model, _ = small_model(vocab, s["d"], row["layers"], row["solver"], n_heads=s["heads"],
+                                   max_seq_len=train_len, seed=0)
+            inputs, targets = train.examples(range(count_batch))     # ops do not grow with the batch; FLOPs do
+            Count.n, t0 = 0, time.perf_counter()
+            with Count(), FlopCounterMode(display=False) as flops:
+                model(inputs, targets=targets).backward()
+            ops = Count.n + 12 * len(list(model.parameters()))
+            fl = flops.get_total_flops() * s["batch"] / count_batch
+            it = max([st.iterations for st in model.layer_stats().values()] or [1])
+            step_s = max(ops * launch_us * 1e-6, fl / (tflops * 1e12))
+            a = AUTHORS[name]
+            rows.append({"table": name, "model": row["model"], "params": model.num_params(), "batch": s["batch"],
+                         "iterations": int(it), "ops": ops, "gflop": fl / 1e9, "cpu_s": time.perf_counter() - t0,
+                         "est_ms_per_step": step_s * 1e3, "authors_steps": a["steps"] and a["steps"] * a["batch"]
+                         // s["batch"], "est_authors_s": a["steps"] and a["steps"] * a["batch"] // s["batch"] * step_s})
+            print(rows[-1], flush=True)
+    table(["table", "model", "params", "batch", "iters", "ops/step", "GFLOP/step", "est ms/step", "authors' steps",
+           "est s (authors)"], [[r["table"], r["model"], r["params"], r["batch"], r["iterations"], r["ops"],
+                                 r["gflop"], r["est_ms_per_step"], r["authors_steps"] or "not stated",
+                                 r["est_authors_s"] or "-"] for r in rows],
+          f"one training step at the GPU geometry, counted on this machine; est = max(ops x {launch_us:g} us, "
+          f"FLOP / {tflops:g} TFLOP/s)")
+    with open(os.path.join(out, "estimate.json"), "w") as fh:
+        json.dump(rows, fh, indent=1, default=float)
+
+
 def commit(given: str) -> str:
     if given:
         return given
@@ -287,6 +334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default="none", choices=["none", "blocks"], help="train.compile's modes")
     ap.add_argument("--chunk", type=int, default=0, help="solver.chunk for the looped layers (0: off)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--estimate", action="store_true", help="count a step of each model at the GPU geometry here "
+                                                             "and estimate the authors' budgets on an H200; no training")
     ap.add_argument("--commit", default="", help="the commit to record (default: git rev-parse, where .git is)")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -307,6 +356,9 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "results.jsonl")
     records = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     seeds = [int(x) for x in args.seeds.split(",")]
+    if args.estimate:
+        estimate(names, args.out)
+        return 0
     print(f"gpu_tables: {header}, tables {names}", flush=True)
     for i, name in enumerate(names):
         left = args.budget_s - (time.monotonic() - started) - RESERVE
