@@ -45,7 +45,8 @@ import torch  # noqa: E402
 
 from experiments.common import eval_aligned, small_model, table  # noqa: E402
 from experiments.device_tasks import GroupWords, InductionBatches  # noqa: E402
-from experiments.induction import FPSA_SOLVER, MODELS as INDUCTION_MODELS, TRAIN_K  # noqa: E402
+from experiments.induction import FPSA_SOLVER, TRAIN_K  # noqa: E402
+from experiments.induction import MODELS as INDUCTION_MODELS
 from experiments.state_tracking import FP_SOLVER  # noqa: E402
 from fpscale.data.synthetic import authors_short_fraction, group_elements  # noqa: E402
 from fpscale.layers.fpmamba import AUTHORS_SOLVER  # noqa: E402
@@ -212,13 +213,15 @@ def run_row(name: str, row: dict, s: dict, args, seconds: float, deadline: float
     return out
 
 
-def estimate(names: list[str], out: str, launch_us: float = 10.0, tflops: float = 300.0, count_batch: int = 8) -> None:
+def estimate(names: list[str], out: str, launch_us: float = 10.0, tflops: float = 300.0,
+             count_batch: int = 8) -> None:
     """``--estimate``: per model of each table at the GPU geometry, one training step on this machine counted
     (aten ops dispatched, matmul FLOPs: device-independent), and the H200 time of the authors' budget it implies:
     a step costs at least ops x ``launch_us`` (eager launches, host-bound at these sizes) and FLOPs / ``tflops``
     (a third of the H200's dense bf16 peak); the larger is the estimate. Counted at ``count_batch`` words (the
     ops do not depend on the batch), the FLOPs scaled to the table's batch. CPU ops include the torch solver
-    bookkeeping that the fused kernels replace on CUDA (~40 ops per iteration against 4): an upper bound."""
+    bookkeeping that the fused kernels replace on CUDA (~40 ops per iteration against 4) and the chunked PyTorch
+    scan (one Triton kernel each way on CUDA): the launch-bound figure is an upper bound, the FLOP-bound a lower."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -244,14 +247,16 @@ def estimate(names: list[str], out: str, launch_us: float = 10.0, tflops: float 
             it = max([st.iterations for st in model.layer_stats().values()] or [1])
             step_s = max(ops * launch_us * 1e-6, fl / (tflops * 1e12))
             a = AUTHORS[name]
+            steps = a["steps"] and a["steps"] * a["batch"] // s["batch"]
             rows.append({"table": name, "model": row["model"], "params": model.num_params(), "batch": s["batch"],
                          "iterations": int(it), "ops": ops, "gflop": fl / 1e9, "cpu_s": time.perf_counter() - t0,
-                         "est_ms_per_step": step_s * 1e3, "authors_steps": a["steps"] and a["steps"] * a["batch"]
-                         // s["batch"], "est_authors_s": a["steps"] and a["steps"] * a["batch"] // s["batch"] * step_s})
+                         "est_ms_per_step": step_s * 1e3, "flop_ms": fl / (tflops * 1e12) * 1e3,
+                         "authors_steps": steps, "est_authors_s": steps and steps * step_s})
             print(rows[-1], flush=True)
-    table(["table", "model", "params", "batch", "iters", "ops/step", "GFLOP/step", "est ms/step", "authors' steps",
-           "est s (authors)"], [[r["table"], r["model"], r["params"], r["batch"], r["iterations"], r["ops"],
-                                 r["gflop"], r["est_ms_per_step"], r["authors_steps"] or "not stated",
+    table(["table", "model", "params", "batch", "iters", "ops/step", "GFLOP/step", "FLOP-bound ms", "est ms/step",
+           "authors' steps", "est s (authors)"], [[r["table"], r["model"], r["params"], r["batch"], r["iterations"],
+                                                   r["ops"], r["gflop"], r["flop_ms"], r["est_ms_per_step"],
+                                                   r["authors_steps"] or "not stated",
                                  r["est_authors_s"] or "-"] for r in rows],
           f"one training step at the GPU geometry, counted on this machine; est = max(ops x {launch_us:g} us, "
           f"FLOP / {tflops:g} TFLOP/s)")
@@ -334,8 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default="none", choices=["none", "blocks"], help="train.compile's modes")
     ap.add_argument("--chunk", type=int, default=0, help="solver.chunk for the looped layers (0: off)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--estimate", action="store_true", help="count a step of each model at the GPU geometry here "
-                                                             "and estimate the authors' budgets on an H200; no training")
+    ap.add_argument("--estimate", action="store_true",
+                    help="count a step of each model at the GPU geometry here and estimate the authors' budgets on "
+                         "an H200; no training")
     ap.add_argument("--commit", default="", help="the commit to record (default: git rev-parse, where .git is)")
     args = ap.parse_args(argv)
     started = time.monotonic()

@@ -87,7 +87,8 @@ def test_a_table_cut_at_its_cap_keeps_the_rows_that_finished():
 def test_rows_in_the_order_of_the_issue():
     s = sizes(full=True)
     st = rows_of("state_tracking", s["state_tracking"], [0, 1])
-    assert len(st) == 16 and [r["seed"] for r in st[:8]] == [0] * 8 and [r["task"] for r in st[:8]] == ["s3"] * 4 + ["a5"] * 4
+    assert len(st) == 16 and [r["seed"] for r in st[:8]] == [0] * 8
+    assert [r["task"] for r in st[:8]] == ["s3"] * 4 + ["a5"] * 4
     assert st[0]["layers"][0]["preset"] == "authors_state_tracking" and st[0]["layers"][0]["init"] == "authors"
     assert [r["model"] for r in rows_of("induction", s["induction"], [0])][0] == "attention 2L"
     assert len(rows_of("a5", s["a5"], [0, 1])) == 4
