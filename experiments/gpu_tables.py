@@ -135,8 +135,9 @@ def _alarm(signum, frame):
 def train_for(model, task, seconds: float, batch: int, lr: float, warmup: int, max_steps: int | None,
               constant: bool, amp) -> dict:
     """AdamW (fpscale.train.optim, as experiments.common.train_aligned) for what fits in ``seconds``: the
-    step count is fixed after WARM + TIMED steps (at most ``max_steps``); linear warm-up, then cosine to lr/10
-    (``constant``: flat). Returns steps, planned steps, wall, seconds per step, final loss."""
+    step count is fixed after WARM + TIMED steps (at most ``max_steps``); linear warm-up (``warmup`` steps, at most
+    a tenth of the run once its length is known), then cosine to lr/10 (``constant``: flat). Returns steps,
+    planned steps, wall, seconds per step, final loss."""
     from fpscale.train.optim import AdamW
     from fpscale.train.schedule import lr_at
     from fpscale.train.trainer import param_groups
@@ -150,6 +151,7 @@ def train_for(model, task, seconds: float, batch: int, lr: float, warmup: int, m
         if step == WARM + TIMED:
             per_step = (time.perf_counter() - t_timed) / TIMED
             total = max(step + 1, int((seconds - (time.perf_counter() - t0)) / per_step) + step)
+            warmup = min(warmup, max(step + 1, total // 10))     # a short run warms up over a tenth of it
         elif step > WARM + TIMED and time.perf_counter() - t0 > 1.3 * seconds + 2:
             cut = True                     # slower than timed (the solver's iterations grew): stop here
             break
