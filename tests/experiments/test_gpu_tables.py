@@ -120,3 +120,19 @@ def test_the_script_at_cpu_sizes_with_its_real_arguments(tmp_path):
     assert first["config"]["layers"][0]["preset"] == "authors_state_tracking" and first["commit"]
     md = (out / "tables.md").read_text()
     assert all(f"## {t}:" in md for t in ("state_tracking", "a5", "induction")) and "CPU (smoke)" in md
+
+
+@pytest.mark.slow        # the checklist and the script in child processes
+def test_the_checklist_runs_the_tables_only_when_named(tmp_path):
+    """``--only tables``: the step runs the script at CPU sizes within the checklist's budget (rows in
+    <out>/tables/); the other steps are recorded as not asked for. The default run has no tables step
+    (tests/test_gpu_scripts.py's STEPS_CPU)."""
+    proc = run(["bash", "scripts/gpu_checklist.sh", "--only", "tables", "--budget-s", "45", "--out", str(tmp_path)],
+               timeout=240, check=False, env={"PYTHON": sys.executable})
+    recs = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    tables = [r for r in recs if r["step"] == "tables"]
+    assert len(tables) == 1 and tables[0]["status"] == "ok", proc.stdout[-3000:]
+    assert all(r["status"] == "skipped" and r["why"] == "not in --only" for r in recs if r["step"] != "tables")
+    counts = tables[0]["result"]["table_rows"]
+    assert sum(counts.values()) == 25 and counts["ok"] >= 1, counts
+    assert (tmp_path / "tables" / "tables.md").exists() and proc.returncode == 0
