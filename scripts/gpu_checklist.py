@@ -33,6 +33,8 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
               (solver.chunk, solver.cuda_graph), per iteration and per training step, for the 125m
               configs with a chunked solve (on CPU: 125m_fpsa at the recipes step's CPU sizes, the
               chunk traced with aot_eager, no Inductor build; the graphed column skipped, said why)
+  tables      opt-in, run only when named (--only tables): experiments/gpu_tables.py, the seeds' tables
+              (rows in <out>/tables/results.jsonl and tables.md as they finish; on CPU at CPU sizes)
 Each step runs in its own process group, killed whole at its bound: the smaller of its own cap and
 what is left of the budget. A step that cannot start in time is recorded as skipped.
 """
@@ -123,6 +125,11 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     speed += (["--traces"] if gpu else ["--cpu-sizes", "--configs", "125m_attn", "--profiles"])
     steps.append({"name": "speed", "cmd": speed, "cap": 480 if gpu else 120, "read": "speed",
                   "json": out / "speed" / "speed.json", "budget_flag": True})
+    # opt-in (--only tables): the seeds' tables, experiments/gpu_tables.py, rows in tables/ as they finish
+    tables = [py, "experiments/gpu_tables.py", "--out", str(out / "tables")]
+    tables += [] if gpu else ["--device", "cpu", "--threads", "1"]
+    steps.append({"name": "tables", "cmd": tables, "cap": 480, "read": "tables", "json": out / "tables" /
+                  "results.jsonl", "budget_flag": True, "opt_in": True})
     return steps
 
 
@@ -175,6 +182,9 @@ def read_result(step: dict, log: Path) -> dict:
             return {"complete": data["complete"], "skipped": data["skipped"],
                     "runs": [{"name": r["name"], "status": r["status"], "seconds": r["seconds"],
                               **speed_brief(r.get("result", {}))} for r in data["runs"]]}
+        if step["read"] == "tables":
+            rows = [json.loads(line) for line in open(step["json"])]
+            return {"table_rows": {st: sum(r["status"] == st for r in rows) for st in ("ok", "timeout", "skipped")}}
         if step["read"] == "bench":
             data = json.loads(Path(step["json"]).read_text())
             return {k: data[k] for k in ("rows", "read_rows", "time_rows", "skipped", "complete") if k in data}
@@ -279,8 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="run only these steps (comma-separated names; the others are recorded as skipped)")
     ap.add_argument("--compare", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    names = [s["name"] for s in plan_steps("python", True, Path("."))]
-    only = set(args.only.split(",")) if args.only else set(names)
+    plan = plan_steps("python", True, Path("."))
+    names = [s["name"] for s in plan]
+    only = set(args.only.split(",")) if args.only else {s["name"] for s in plan if not s.get("opt_in")}
     if only - set(names):
         ap.error(f"--only: unknown step(s) {', '.join(sorted(only - set(names)))}; the steps are {', '.join(names)}")
     if args.compare:
@@ -300,6 +311,8 @@ def main(argv=None) -> int:
     print(f"gpu_checklist: {'GPU' if gpu else 'CPU sizes (no GPU)'}, budget {args.budget_s:g} s, report in {out}",
           flush=True)
     for step in plan_steps(args.python, gpu, out):
+        if step.get("opt_in") and step["name"] not in only:
+            continue                                    # run only when named (--only tables)
         left = args.budget_s - (time.monotonic() - started) - RESERVE_S
         record: dict = {"step": step["name"], "cmd": " ".join(map(str, step["cmd"]))}
         if step["name"] not in only:
