@@ -78,22 +78,32 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
                   coefficients: str = "quintic") -> torch.Tensor:
     """An approximately orthogonal U S' V^T of ``g`` ([..., rows, cols], each matrix on its own),
-    computed in ``dtype`` and returned in it. ``quintic``: Keller Jordan's fixed coefficients;
-    ``polar_express``: Attractor's per-step ones (at most 5 steps)."""
+    computed in ``dtype`` and returned in it, in the reference's own order of operations (bitwise equal
+    to it in bf16: tests/train/test_muon_peers.py). ``quintic``: Keller Jordan's fixed coefficients
+    (muon.py ``zeropower_via_newtonschulz5``: a tall matrix transposed, ``B = b A + c A @ A`` with
+    (c A) @ A); ``polar_express``: Attractor's per-step ones, at most 5 (muon_adamw.py:26-35: a tall
+    matrix kept, A = X^T X and X <- a X + X (b A + c (A A)))."""
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
     if coefficients == "quintic":
+        a, b, c = QUINTIC
+        if tall:
+            x = x.mT
         x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-        triples = [QUINTIC] * steps
-    else:
-        x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-        triples = list(POLAR_EXPRESS[:steps])
-    for a, b, c in triples:
-        A = x @ x.mT
-        x = a * x + (b * A + c * (A @ A)) @ x
-    return x.mT if tall else x
+        for _ in range(steps):
+            A = x @ x.mT
+            B = b * A + c * A @ A
+            x = a * x + B @ x
+        return x.mT if tall else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in POLAR_EXPRESS[:steps]:
+        if tall:
+            A = x.mT @ x
+            x = a * x + x @ (b * A + c * (A @ A))
+        else:
+            A = x @ x.mT
+            x = a * x + (b * A + c * (A @ A)) @ x
+    return x
 
 
 def shape_scale(shape, mode: str) -> float:
