@@ -3,7 +3,10 @@ the layouts, not bf16 rounding, are what is compared): TP2, DP2 ZeRO-1/2/3 and T
 losses and parameters after 5 steps within 1e-5; a resume at step 3 continues bit-exactly on TP2 and
 on DP2 ZeRO-1; the TP2 x DP2 checkpoint of step 3 resumes on DP2 (universal checkpoint) within 1e-5; bf16
 runs through DeepSpeed's three bf16 optimizers (ZeRO-0, 1, 2) agree.
-Three launches in all (one process, 4 processes, 2 processes): tests/parallel/run_muon.py."""
+Three launches in all (one process, 4 processes, 2 processes): tests/parallel/run_muon.py.
+``test_muon_modes_match_one_process``: Attractor's mode (NorMuon, decay x shape scale scheduled to 0, polar
+express, q/k/v part by part) and Keller's (no cautious decay, fused q/k/v as one matrix) on TP2 and DP2 ZeRO-1
+(Attractor's also ZeRO-3, and resumed at step 3 bit-exactly) equal one process; two launches."""
 import json
 import os
 import sys
@@ -58,3 +61,21 @@ def test_muon_adamw_layouts_match_one_process_and_resume(tmp_path):
     assert max_diff(params(pairs_dir, "grid_to_dp2"), params(grid_dir, "grid")) < 1e-5
 
 
+
+
+def test_muon_modes_match_one_process(tmp_path):
+    ref_dir, out = str(tmp_path / "ref"), str(tmp_path / "modes")
+    ref = launch(ref_dir, "modes_ref", 1)
+    runs = launch(out, "modes", 2)
+    for mode in ("attractor", "keller"):
+        whole = params(ref_dir, mode)
+        layouts = ("tp2", "dp2_zero1", "dp2_zero3") if mode == "attractor" else ("tp2", "dp2_zero1")
+        for layout in layouts:
+            name = f"{mode}_{layout}"
+            assert runs[name] == pytest.approx(ref[mode], abs=1e-5), name
+            assert max_diff(params(out, name), whole) < 1e-5, name
+    # the modes are different optimizers: the comparison could fail
+    assert max_diff(params(ref_dir, "attractor"), params(ref_dir, "keller")) > 1e-3
+    assert runs["attractor_dp2_zero1_resumed"] == runs["attractor_dp2_zero1"][3:]
+    resumed, straight = params(out, "attractor_dp2_zero1_resumed"), params(out, "attractor_dp2_zero1")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
