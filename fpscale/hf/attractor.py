@@ -9,7 +9,6 @@ import torch
 
 from fpscale.models.attractor_weights import fpscale_config, read_their_folder, their_config, to_fpscale, to_theirs
 
-
 BASE = "attractor_config.json"     # their config.json as read, beside the converted weights
 
 

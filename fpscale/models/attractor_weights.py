@@ -124,9 +124,10 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
     n = int(their["n_backbone_layers"])
     # their optimizer's head settings (fp_lr_scale, fp_wd: config.py:40-41, read by muon_adamw.py
     # get_muon_param_groups): the head in AdamW at lr x fp_lr_scale, its matrices decayed by fp_wd
+    scale = float(their.get("fp_lr_scale", 0.75))
     train = {"group_override": {f"layers.{n}.{w}": "matrix" for w in ("w_qkv", "w_o", "w_fc", "w_proj")}
              | {f"layers.{n}.{w}": "other" for w in ("attn_norm", "mlp_norm")},
-             "lr_scale": {"matrix": float(their.get("fp_lr_scale", 0.75)), "other": float(their.get("fp_lr_scale", 0.75))},
+             "lr_scale": {"matrix": scale, "other": scale},
              "group_weight_decay": {"matrix": float(their.get("fp_wd", 0.0))}}
     return {"model": model, "train": train}
 
@@ -277,7 +278,8 @@ def their_config(cfg, base: dict[str, Any] | None = None) -> dict[str, Any]:
         true_vocab = m.vocab_size           # another vocabulary than the one base describes
     theta = int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta
     t = cfg.train
-    return {**kept, "_class_name": "AttractorConfig", "model_class_name": "Attractor", "name": base.get("name", cfg.name),
+    return {**kept, "_class_name": "AttractorConfig", "model_class_name": "Attractor",
+            "name": base.get("name", cfg.name),
             "block_size": m.max_seq_len, "vocab_size": true_vocab, "padded_vocab_size": m.vocab_size,
             "n_embd": m.d_model, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads,
             "intermediate_size": int(m.mlp_ratio * m.d_model), "bias": False, "tie_embeddings": True,

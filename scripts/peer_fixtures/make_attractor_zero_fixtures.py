@@ -28,7 +28,8 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "
 BASE = dict(name="zeros", vocab_size=32, n_embd=16, num_attention_heads=2, intermediate_size=64, block_size=64,
             n_backbone_layers=1, n_fp_blocks=2, norm_class_name="RMSNorm", nonlin_name="ReLU2", qk_norm=True,
             attn_impl="sdpa", init_strategy="scaled-zero", init_orthogonal=True, layer_scale_init=0.1, gamma_max=0.75,
-            solver="anderson", anderson_m=5, anderson_beta=1.0, tol=1.5e-4, max_iter=40, min_iter=8, backward_type="anderson",
+            solver="anderson", anderson_m=5, anderson_beta=1.0, tol=1.5e-4, max_iter=40, min_iter=8,
+            backward_type="anderson",
             adjoint_grad_clip=None, fp_lr_scale=0.5, fp_wd=0.1)
 CASES = {"min0": dict(backward_min_iter=0, backward_tol=1e-3, backward_max_iter=40),
          "tol0": dict(backward_min_iter=0, backward_tol=0.0, backward_max_iter=12)}

@@ -13,8 +13,8 @@ What is changed AROUND their code (nothing inside it):
     float64 algorithm. The bf16 fixtures (``ns_bf16``) run with torch untouched.
   * Keller's ``MuonWithAuxAdam`` is distributed: it runs in a one-process gloo group (world size 1).
   * Attractor's trainer (scripts/train.py:689-710) is replayed by ``attractor_schedule`` below: per step,
-    group lr = the scheduled lr (8e-3 x factor) x base_lr (their trapezoid: constant, then linear to 0 over the last cooldown
-    fraction, recpre/schedulers ``trapezoid``, scripts/train.py:1182-1195), Muon weight decay
+    group lr = the scheduled lr (8e-3 x factor) x base_lr (their trapezoid: constant, then linear to 0
+    over the last cooldown fraction, recpre/schedulers ``trapezoid``, scripts/train.py:1182-1195), Muon weight decay
     muon_wd x (1 - step / max_steps), momentum 0.85 -> 0.95 over 300 steps; optimizer steps 1..10 (their
     trainer skips the step at optimizer_step 0, scripts/train.py:713: fpscale does not; the fixture starts
     from step 1).
@@ -122,7 +122,8 @@ def run_keller(repo: str) -> dict[str, torch.Tensor]:
     keller = load(os.path.join(repo, "muon.py"), "keller_muon")
     gen = torch.Generator().manual_seed(7)
     shapes = {"square": (16, 16), "tall": (48, 16), "wide": (16, 40), "embed": (32, 16), "gain": (16,)}
-    params = {n: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3) for n, s in shapes.items()}
+    params = {n: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3)
+              for n, s in shapes.items()}
     out = {f"init/{n}": p.detach().clone() for n, p in params.items()}
     muon = [params[n] for n in ("square", "tall", "wide")]
     opt = keller.MuonWithAuxAdam([

@@ -1,6 +1,6 @@
 """train.optimizer: muon_adamw on every layout against one process (float32, Newton-Schulz in fp32 so that
 the layouts, not bf16 rounding, are what is compared): TP2, DP2 ZeRO-1/2/3 and TP2 x DP2 give the same
-losses and parameters after 5 steps within 1e-5; a resume at step 3 continues bit-exactly on TP2 and
+losses after 5 steps within 1e-5 and parameters within 2e-5; a resume at step 3 continues bit-exactly on TP2 and
 on DP2 ZeRO-1; the TP2 x DP2 checkpoint of step 3 resumes on DP2 (universal checkpoint) within 1e-5; bf16
 runs through DeepSpeed's three bf16 optimizers (ZeRO-0, 1, 2) agree.
 Three launches in all (one process, 4 processes, 2 processes): tests/parallel/run_muon.py.
@@ -45,7 +45,10 @@ def test_muon_adamw_layouts_match_one_process_and_resume(tmp_path):
     for name, losses, where in [("grid", grid, grid_dir)] + [(n, runs[n], pairs_dir) for n in
                                                               ("tp2", "dp2_zero1", "dp2_zero2", "dp2_zero3")]:
         assert losses == pytest.approx(ref, abs=1e-5), name
-        assert max_diff(params(where, name), whole_ref) < 1e-5, name
+        # 2e-5: the TP layouts' SwiGLU w_down ends 1.4e-5 from one process with Keller's order of operations
+        # in Newton-Schulz ((c A) @ A, issue 48), 5.5e-6 with c (A @ A) before: fp32 rounding of the gradient's
+        # reduction order, amplified by the quintic's slope at zero; every other tensor stays within 6e-6
+        assert max_diff(params(where, name), whole_ref) < 2e-5, name
     # the parameters moved: Muon's steps are no no-op the comparison could pass with
     assert max_diff(params(pairs_dir, "tp2"), {k: torch.zeros_like(v) for k, v in whole_ref.items()}) > 0
     for name in ("tp2", "dp2_zero1"):          # same layout: bit-exact
