@@ -115,7 +115,7 @@ def attach(ds_optimizer, optimizer) -> int:
         # ``p.clone().float().detach()``), which carry none of the TP marks the gather reads
         for i in muon:
             for low, high in zip(ds_optimizer.fp16_groups[i], ds_optimizer.fp32_groups[i]):
-                for mark in ("tensor_model_parallel", "partition_dim", "tp_parts"):
+                for mark in ("tensor_model_parallel", "partition_dim", "tp_parts", "fused"):
                     if hasattr(low, mark):
                         setattr(high, mark, getattr(low, mark))
         return len(muon)
