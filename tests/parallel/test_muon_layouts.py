@@ -1,8 +1,8 @@
 """train.optimizer: muon_adamw on every layout against one process (float32, Newton-Schulz in fp32 so that
 the layouts, not bf16 rounding, are what is compared): TP2, DP2 ZeRO-1/2/3 and TP2 x DP2 give the same
 losses after 5 steps within 1e-5 and parameters within 2e-5; a resume at step 3 continues bit-exactly on TP2 and
-on DP2 ZeRO-1; the TP2 x DP2 checkpoint of step 3 resumes on DP2 (universal checkpoint) within 1e-5 (parameters 2e-5); bf16
-runs through DeepSpeed's three bf16 optimizers (ZeRO-0, 1, 2) agree.
+on DP2 ZeRO-1; the TP2 x DP2 checkpoint of step 3 resumes on DP2 (universal checkpoint) within 1e-5
+(parameters 2e-5); bf16 runs through DeepSpeed's three bf16 optimizers (ZeRO-0, 1, 2) agree.
 Three launches in all (one process, 4 processes, 2 processes): tests/parallel/run_muon.py.
 ``test_muon_modes_match_one_process``: Attractor's mode (NorMuon, decay x shape scale scheduled to 0, polar
 express, q/k/v part by part) and Keller's (no cautious decay, fused q/k/v as one matrix) on TP2 and DP2 ZeRO-1
