@@ -17,9 +17,13 @@ fpscale.layers.common.apply_rope); the attention logits q.k are unchanged by it,
 Their ``freqs_cis`` buffer is recomputed from ``rope_settings`` (theta 50,000) and not carried.
 
 The config ``--from attractor`` writes solves as their code does (``decisions: sample, norm: sample_l2,
-anderson_variant: attractor``): the function their checkpoint was trained on. ``--to attractor`` takes
+anderson_variant: attractor``): the function their checkpoint was trained on; settings present as 0
+(``backward_min_iter: 0``, ``backward_tol: 0.0``) stay 0 (their config.py:52-55 fills only None), and their
+head's optimizer scales (``fp_lr_scale``, ``fp_wd``) become ``train`` groups. ``--to attractor`` takes
 that solve or the recipes' causal form of it (configs/*_attractor.yaml: per token, fpscale's Anderson),
-with a warning that their code will solve per sample.
+with a warning that their code will solve per sample, and writes every ``AttractorConfig`` field: the head's
+scales from ``train``, what fpscale's config does not hold (the true vocabulary, attn_impl, ...) from their
+config.json as ``--from`` read it (kept as attractor_config.json, fpscale/hf/attractor.py) or their defaults.
 
 Only what fpscale can reproduce converts; anything else is an error naming their key (a softcap, GQA,
 value embeddings in the backbone, another MLP or norm, Picard adjoints, the J^T v clip).
@@ -69,7 +73,8 @@ def read_their_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
-    """fpscale's config (model + solver sections, as YAML data) of their ``AttractorConfig`` dict."""
+    """fpscale's config (the model with its solver, and the head's ``train`` groups, as YAML data) of their
+    ``AttractorConfig`` dict."""
     cls = their.get("_class_name", "AttractorConfig")
     if cls not in ("AttractorConfig", "EQLMConfig") and their.get("model_class_name") != "Attractor":
         raise UserError(f"config.json: _class_name {cls!r} is not an Attractor model")

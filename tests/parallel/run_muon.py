@@ -106,6 +106,12 @@ def main():
         runs["attractor_dp2_zero3"] = train(out, "attractor_dp2_zero3", [*extra, "parallel.zero_stage=3"], dp2, ZERO3)
         runs["attractor_dp2_zero1_resumed"] = train(out, "attractor_dp2_zero1_resumed", [
             *extra, "parallel.zero_stage=1", f"train.resume={step3(out, 'attractor_dp2_zero1')}"], dp2)
+        try:                               # NorMuon's moments do not travel through a universal checkpoint
+            train(out, "attractor_tp2_to_dp2", [*extra, "parallel.zero_stage=1",
+                                                f"train.resume={step3(out, 'attractor_tp2')}"], dp2)
+            runs["attractor_tp2_to_dp2_refused"] = ""
+        except Exception as e:             # noqa: BLE001 - the refusal's message is what the test reads
+            runs["attractor_tp2_to_dp2_refused"] = str(e)
         dp2.close()
     else:
         tp2, dp2 = init_parallel(2), init_parallel(1)

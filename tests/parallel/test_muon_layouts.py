@@ -6,7 +6,8 @@ on DP2 ZeRO-1; the TP2 x DP2 checkpoint of step 3 resumes on DP2 (universal chec
 Three launches in all (one process, 4 processes, 2 processes): tests/parallel/run_muon.py.
 ``test_muon_modes_match_one_process``: Attractor's mode (NorMuon, decay x shape scale scheduled to 0, polar
 express, q/k/v part by part) and Keller's (no cautious decay, fused q/k/v as one matrix) on TP2 and DP2 ZeRO-1
-(Attractor's also ZeRO-3, and resumed at step 3 bit-exactly) equal one process; two launches."""
+(Attractor's also ZeRO-3, and resumed at step 3 bit-exactly) equal one process; NorMuon's resume on another
+layout is refused naming the key; two launches."""
 import json
 import os
 import sys
@@ -79,6 +80,7 @@ def test_muon_modes_match_one_process(tmp_path):
             assert max_diff(params(out, name), whole) < 1e-5, name
     # the modes are different optimizers: the comparison could fail
     assert max_diff(params(ref_dir, "attractor"), params(ref_dir, "keller")) > 1e-3
+    assert "train.muon.normuon" in runs["attractor_tp2_to_dp2_refused"]      # another layout: refused, named
     assert runs["attractor_dp2_zero1_resumed"] == runs["attractor_dp2_zero1"][3:]
     resumed, straight = params(out, "attractor_dp2_zero1_resumed"), params(out, "attractor_dp2_zero1")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
