@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -113,3 +114,21 @@ def test_orthogonalisations_in_bf16_equal_theirs():
         ours = normuon(o, v, 0.95).float()
         theirs = ref[f"polar_normuon/{name}"]
         assert torch.equal(ours, theirs), (name, relative(ours, theirs))
+
+
+@pytest.mark.parametrize("size", ["140m", "370m", "770m"])
+def test_every_attractor_recipe_sets_their_optimizer(size):
+    """The switches the 140m replay above proves, in each recipe, with their head's groups (fp_lr_scale and
+    fp_wd of their attractor/configs/attractor/*.py: 0.5 / 0.4 / 0.4 and 0.1)."""
+    cfg = fpscale.load_config(RECIPE.replace("140m", size), [])
+    t, m = cfg.train, cfg.train.muon
+    assert (m.shape_scale, m.ns_coefficients, m.normuon, m.normuon_beta2, m.wd_scale, m.wd_schedule) == (
+        "keller", "polar_express", True, 0.95, "step", "linear")
+    assert (m.cautious_wd, m.split_fused, m.momentum_warmup, m.momentum_start, m.weight_decay) == (
+        True, True, 300, 0.85, 0.2)
+    assert (t.eps, t.beta1, t.beta2, t.weight_decay, t.schedule, t.decay_fraction) == (
+        1e-10, 0.8, 0.95, 0.0, "wsd", 0.5)
+    head = f"layers.{len(cfg.model.expanded_layers()) - 1}"
+    assert {k for k, v in t.group_override.items() if v == "other"} == {f"{head}.attn_norm", f"{head}.mlp_norm"}
+    fp = {"140m": 0.5, "370m": 0.4, "770m": 0.4}[size]
+    assert t.lr_scale["matrix"] == t.lr_scale["other"] == fp and t.group_weight_decay == {"matrix": 0.1}
