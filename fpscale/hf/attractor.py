@@ -9,6 +9,8 @@ import torch
 
 from fpscale.models.attractor_weights import fpscale_config, read_their_folder, their_config, to_fpscale, to_theirs
 
+BASE = "attractor_config.json"     # their config.json as read, beside the converted weights
+
 
 def import_folder(folder: str, out: str, name: str | None = None) -> None:
     """Their save_pretrained folder -> fpscale's whole weights (``out/model.safetensors`` + ``config.yaml``,
@@ -27,6 +29,8 @@ def import_folder(folder: str, out: str, name: str | None = None) -> None:
     save_file(to_fpscale(sd, their), os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.yaml"), "w") as fh:
         yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
+    with open(os.path.join(out, BASE), "w") as fh:     # what fpscale's config does not hold (their_config)
+        json.dump(their, fh, indent=2)
 
 
 def export_folder(source: str, out: str) -> None:
@@ -40,7 +44,11 @@ def export_folder(source: str, out: str) -> None:
     cfg = config_from_dict(config)
     sd = to_theirs(weights, cfg.model)
     os.makedirs(out, exist_ok=True)
+    base = None
+    if os.path.isfile(os.path.join(source, BASE)):
+        with open(os.path.join(source, BASE)) as fh:
+            base = json.load(fh)
     with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(their_config(cfg), fh, indent=2)
+        json.dump(their_config(cfg, base), fh, indent=2)
     torch.save(sd, os.path.join(out, "model.pt"))
     save_file({k: v.clone() for k, v in sd.items() if k != "lm_head.weight"}, os.path.join(out, "model.safetensors"))

@@ -17,9 +17,13 @@ fpscale.layers.common.apply_rope); the attention logits q.k are unchanged by it,
 Their ``freqs_cis`` buffer is recomputed from ``rope_settings`` (theta 50,000) and not carried.
 
 The config ``--from attractor`` writes solves as their code does (``decisions: sample, norm: sample_l2,
-anderson_variant: attractor``): the function their checkpoint was trained on. ``--to attractor`` takes
+anderson_variant: attractor``): the function their checkpoint was trained on; settings present as 0
+(``backward_min_iter: 0``, ``backward_tol: 0.0``) stay 0 (their config.py:52-55 fills only None), and their
+head's optimizer scales (``fp_lr_scale``, ``fp_wd``) become ``train`` groups. ``--to attractor`` takes
 that solve or the recipes' causal form of it (configs/*_attractor.yaml: per token, fpscale's Anderson),
-with a warning that their code will solve per sample.
+with a warning that their code will solve per sample, and writes every ``AttractorConfig`` field: the head's
+scales from ``train``, what fpscale's config does not hold (the true vocabulary, attn_impl, ...) from their
+config.json as ``--from`` read it (kept as attractor_config.json, fpscale/hf/attractor.py) or their defaults.
 
 Only what fpscale can reproduce converts; anything else is an error naming their key (a softcap, GQA,
 value embeddings in the backbone, another MLP or norm, Picard adjoints, the J^T v clip).
@@ -69,7 +73,8 @@ def read_their_folder(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
-    """fpscale's config (model + solver sections, as YAML data) of their ``AttractorConfig`` dict."""
+    """fpscale's config (the model with its solver, and the head's ``train`` groups, as YAML data) of their
+    ``AttractorConfig`` dict."""
     cls = their.get("_class_name", "AttractorConfig")
     if cls not in ("AttractorConfig", "EQLMConfig") and their.get("model_class_name") != "Attractor":
         raise UserError(f"config.json: _class_name {cls!r} is not an Attractor model")
@@ -100,12 +105,13 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
               "anderson": int(their.get("anderson_m", 5)) if anderson else 0,
               "anderson_variant": "attractor" if anderson else "fpscale", "anderson_lambda": 1e-4,
               "backward": "neumann1" if bw == "onestep" else "implicit", "mask_unconverged": False,
-              "backward_max_iter": int(their.get("backward_max_iter") or max_iter),
-              "backward_min_iter": int(their.get("backward_min_iter") or their.get("min_iter", 0)),
-              "backward_tol": float(their.get("backward_tol") or tol), "bookkeeping": "torch"}
+              # None means "the forward's" (their config.py:52-55); a present 0 is kept, as their code keeps it
+              "backward_max_iter": int(given(their, "backward_max_iter", max_iter)),
+              "backward_min_iter": int(given(their, "backward_min_iter", their.get("min_iter", 0))),
+              "backward_tol": float(given(their, "backward_tol", tol)), "bookkeeping": "torch"}
     if not anderson:
         solver["damping"] = 1.0
-    vocab = int(their.get("padded_vocab_size") or their["vocab_size"])
+    vocab = int(given(their, "padded_vocab_size", their["vocab_size"]))
     model = {"vocab_size": vocab, "d_model": d, "n_heads": heads, "mlp_ratio": int(their["intermediate_size"]) / d,
              "max_seq_len": int(their.get("block_size", 4096)), "rope_theta": float(rope.get("rope_base", 50_000)),
              "norm_eps": float(their.get("norm_eps", 1e-5)), "init_std": math.sqrt(2 / (5 * d)),
@@ -120,7 +126,21 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
     if int(model["mlp_ratio"] * d) != int(their["intermediate_size"]) or int(their["intermediate_size"]) % 16:
         raise UserError(f"config.json: intermediate_size = {their['intermediate_size']} must be a multiple of 16 "
                         f"(fpscale's MLP hidden size)")
-    return {"model": model}
+    n = int(their["n_backbone_layers"])
+    # their optimizer's head settings (fp_lr_scale, fp_wd: config.py:40-41, read by muon_adamw.py
+    # get_muon_param_groups): the head in AdamW at lr x fp_lr_scale, its matrices decayed by fp_wd
+    scale = float(their.get("fp_lr_scale", 0.75))
+    train = {"group_override": {f"layers.{n}.{w}": "matrix" for w in ("w_qkv", "w_o", "w_fc", "w_proj")}
+             | {f"layers.{n}.{w}": "other" for w in ("attn_norm", "mlp_norm")},
+             "lr_scale": {"matrix": scale, "other": scale},
+             "group_weight_decay": {"matrix": float(their.get("fp_wd", 0.0))}}
+    return {"model": model, "train": train}
+
+
+def given(their: dict[str, Any], key: str, default):
+    """``their[key]``, or ``default`` where it is absent or null (a present 0 stays 0)."""
+    value = their.get(key)
+    return default if value is None else value
 
 
 def to_fpscale(sd: dict[str, torch.Tensor], their: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -219,9 +239,22 @@ def to_theirs(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def their_config(cfg) -> dict[str, Any]:
-    """Their ``config.json`` (``AttractorConfig`` fields + ``_class_name``) of an fpscale Config whose
-    model is attn layers then one attractor layer with their solver (``fpscale_config``'s form)."""
+# every field of their AttractorConfig as their save_pretrained writes it (asdict after __post_init__), with
+# the defaults of attractor/models/config.py:20-72 and attractor/models/attractor/config.py:11-44 for what
+# fpscale does not hold: ``--to attractor`` writes them unless ``base`` (the config.json ``--from attractor``
+# read, kept beside the converted weights as attractor_config.json) gives them
+THEIR_DEFAULTS: dict[str, Any] = {
+    "name": "", "hf_config": {}, "padding_multiple": 512, "use_abacus": False, "randomize_positions_from": None,
+    "attn_impl": "flash", "qk_bias": False, "skip_initialization": False, "mup_model_scaling_factor": 1,
+    "use_fused_head": "pytorch", "debias_attention": False, "center_attention": False, "clip_qkv": None,
+    "causal": True, "activation_checkpoint_impl": "per-block", "simple_ops": False, "strategy": "single"}
+
+
+def their_config(cfg, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Their ``config.json`` (every ``AttractorConfig`` field + ``_class_name``) of an fpscale Config whose
+    model is attn layers then one attractor layer with their solver (``fpscale_config``'s form): the head's
+    optimizer scales from ``train`` (fp_lr_scale = lr_scale.matrix, fp_wd = group_weight_decay.matrix); the
+    fields fpscale does not hold (the true vocabulary, attn_impl, ...) from ``base`` where given."""
     m = cfg.model
     specs = m.expanded_layers()
     head = specs[-1]
@@ -243,18 +276,28 @@ def their_config(cfg) -> dict[str, Any]:
             raise UserError(f"--to attractor: solver.{key} = {getattr(s, key)!r}: Attractor's solver has {want!r}")
     if s.backward not in ("neumann1", "implicit") or (s.backward == "implicit" and not s.anderson):
         raise UserError(f"--to attractor: solver.backward = {s.backward}: neumann1, or implicit with Anderson")
-    return {"_class_name": "AttractorConfig", "model_class_name": "Attractor", "name": cfg.name,
-            "block_size": m.max_seq_len, "vocab_size": m.vocab_size, "padded_vocab_size": m.vocab_size,
+    base = base or {}
+    kept = {k: base.get(k, v) for k, v in THEIR_DEFAULTS.items()}
+    true_vocab = base.get("vocab_size", m.vocab_size)
+    if base.get("padded_vocab_size", m.vocab_size) != m.vocab_size:
+        true_vocab = m.vocab_size           # another vocabulary than the one base describes
+    theta = int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta
+    t = cfg.train
+    return {**kept, "_class_name": "AttractorConfig", "model_class_name": "Attractor",
+            "name": base.get("name", cfg.name),
+            "block_size": m.max_seq_len, "vocab_size": true_vocab, "padded_vocab_size": m.vocab_size,
             "n_embd": m.d_model, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads,
             "intermediate_size": int(m.mlp_ratio * m.d_model), "bias": False, "tie_embeddings": True,
             "block_class_name": "TransformerPreNormBlock", "norm_class_name": "RMSNorm", "norm_eps": m.norm_eps,
             "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "qk_norm": bool(head.qk_norm), "logit_softcap": None,
-            "rope_settings": {"use_rope": True, "rope_condense_ratio": 1, "rope_base": m.rope_theta},
+            "rope_settings": {"use_rope": True, "rope_condense_ratio": 1, "rope_base": theta},
             "n_backbone_layers": len(specs) - 1, "n_fp_blocks": head.head_blocks,
             "solver": "anderson" if s.anderson else "fpi", "max_iter": s.max_iter, "min_iter": s.min_iter,
             "tol": s.tol, "anderson_m": s.anderson or 5, "anderson_beta": s.damping,
             "backward_type": "onestep" if s.backward == "neumann1" else "anderson",
             "backward_max_iter": s.backward_max_iter, "backward_min_iter": s.backward_min_iter,
             "backward_tol": s.backward_tol, "adjoint_grad_clip": None, "layer_scale_init": head.gate_init,
-            "gamma_max": head.gamma_max, "init_strategy": "scaled-zero", "init_orthogonal": True}
+            "gamma_max": head.gamma_max, "init_strategy": "scaled-zero", "init_orthogonal": True,
+            "fp_lr_scale": t.lr_scale.get("matrix", 1.0), "fp_wd": t.group_weight_decay.get("matrix", 0.0),
+            "recurrent_embedding_dimension": m.d_model}
 

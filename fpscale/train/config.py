@@ -53,6 +53,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    eps: float = 1.0e-8           # AdamW's epsilon (every AdamW group; Attractor's recipes: 1e-10)
     optimizer: Literal["adamw", "muon_adamw"] = "adamw"
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2           # wsd: the fraction of train.steps spent decaying to min_lr

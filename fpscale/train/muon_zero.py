@@ -46,29 +46,50 @@ class FlatLayout:
         self.kind, self.pieces, self.group, self.size = kind, pieces, group, size
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
+    def touching(self) -> list[Piece]:
+        """The matrices with elements in this rank's partition, in the order ``orthogonalize`` visits them."""
+        if self.kind != "contiguous":
+            return list(self.pieces)
+        lo_mine, hi_mine = self.rank * self.size, (self.rank + 1) * self.size
+        return [p for p in self.pieces if max(p.offset, lo_mine) < min(p.offset + p.numel, hi_mine)]
+
     def orthogonalize(self, u: torch.Tensor, fn) -> torch.Tensor:
         """This rank's part of the orthogonalised update, from its part ``u`` of the Nesterov update;
-        ``fn(whole_matrix, param)`` orthogonalises one matrix."""
+        ``fn(whole_matrix, param, k)`` orthogonalises one matrix, the k-th of ``touching()``."""
         gathered = [torch.empty_like(u) for _ in range(self.world)]
         dist.all_gather(gathered, u.contiguous(), group=self.group)
         out = torch.zeros_like(u)
         if self.kind == "contiguous":
             flat = torch.cat(gathered)
-            lo_mine, hi_mine = self.rank * self.size, (self.rank + 1) * self.size
-            for piece in self.pieces:
+            lo_mine = self.rank * self.size
+            for k, piece in enumerate(self.touching()):
                 lo, hi = piece.offset, piece.offset + piece.numel
-                a, b = max(lo, lo_mine), min(hi, hi_mine)
-                if a >= b:
-                    continue
-                whole = fn(flat[lo:hi].view(piece.shape), piece.param).reshape(-1)
+                a, b = max(lo, lo_mine), min(hi, lo_mine + self.size)
+                whole = fn(flat[lo:hi].view(piece.shape), piece.param, k).reshape(-1)
                 out[a - lo_mine:b - lo_mine] = whole[a - lo:b - lo]
         else:
             rows = torch.stack(gathered)                      # [world, size]
-            for piece in self.pieces:
+            for k, piece in enumerate(self.pieces):
                 span = slice(piece.offset, piece.offset + piece.part)
                 whole = rows[:, span].reshape(-1)[:piece.numel].view(piece.shape)
-                done = F.pad(fn(whole, piece.param).reshape(-1), (0, piece.part * self.world - piece.numel))
+                done = F.pad(fn(whole, piece.param, k).reshape(-1), (0, piece.part * self.world - piece.numel))
                 out[span] = done.view(self.world, piece.part)[self.rank]
+        return out
+
+    def fill(self, value) -> torch.Tensor:
+        """This rank's partition with each element set to ``value(piece)`` of the matrix it belongs to
+        (0 in the padding): a per-element factor, no communication."""
+        out = torch.zeros(self.size)
+        for piece in self.pieces:
+            if self.kind == "contiguous":
+                lo, hi = piece.offset, piece.offset + piece.numel
+                a, b = max(lo, self.rank * self.size), min(hi, (self.rank + 1) * self.size)
+                if a < b:
+                    out[a - self.rank * self.size:b - self.rank * self.size] = value(piece)
+            else:
+                start = min(self.rank * piece.part, piece.numel)
+                mine = min(piece.part, piece.numel - start)
+                out[piece.offset:piece.offset + mine] = value(piece)
         return out
 
 
@@ -94,7 +115,7 @@ def attach(ds_optimizer, optimizer) -> int:
         # ``p.clone().float().detach()``), which carry none of the TP marks the gather reads
         for i in muon:
             for low, high in zip(ds_optimizer.fp16_groups[i], ds_optimizer.fp32_groups[i]):
-                for mark in ("tensor_model_parallel", "partition_dim", "tp_parts"):
+                for mark in ("tensor_model_parallel", "partition_dim", "tp_parts", "fused"):
                     if hasattr(low, mark):
                         setattr(high, mark, getattr(low, mark))
         return len(muon)

@@ -19,7 +19,13 @@ class MuonConfig:
     whose updates have AdamW's RMS so Muon shares ``train.lr``; ``keller`` max(1, rows/cols)^0.5,
     whose recipes give Muon its own lr (0.02-0.05: set ``train.lr_scale.muon`` = that / train.lr).
     ``ns_dtype: auto``: Newton-Schulz in bf16 on a GPU (the recipes'), in fp32 on a CPU, where bf16 matmuls
-    are slower than fp32 ones (8x for a 384 x 128 matrix on the 2-core build machine, 1 thread)."""
+    are slower than fp32 ones (8x for a 384 x 128 matrix on the 2-core build machine, 1 thread).
+    ``normuon``: Attractor's per-row second moment of the orthogonalised update (NorMuon; ``normuon_beta2``
+    its average, theirs 0.95: recpre/optim/muon_adamw.py:84). ``wd_scale``: ``lr`` decay lr x wd (Keller's),
+    ``step`` lr x shape scale x wd (Attractor's: muon_adamw.py:47, their lr carries the shape scale).
+    ``wd_schedule``: ``constant``, or ``linear`` from ``weight_decay`` to 0 at train.steps (their
+    scripts/train.py:698-702: wd x (1 - step / max_steps)). ``split_fused``: fused projections (q/k/v)
+    orthogonalised part by part (Keller's records, Attractor's separate c_q, c_k, c_v); off: one matrix."""
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
@@ -30,6 +36,11 @@ class MuonConfig:
     weight_decay: float | None = None
     momentum_warmup: int = 0
     momentum_start: float = 0.85
+    normuon: bool = False
+    normuon_beta2: float = 0.95
+    wd_scale: Literal["lr", "step"] = "lr"
+    wd_schedule: Literal["constant", "linear"] = "constant"
+    split_fused: bool = True
 
     def validate(self, prefix: str = "train.muon") -> None:
         check(0 <= self.momentum < 1, f"{prefix}.momentum", f"must be in [0, 1), got {self.momentum}")
@@ -37,6 +48,8 @@ class MuonConfig:
               f"must be in [0, 1), got {self.momentum_start}")
         check(self.momentum_warmup >= 0, f"{prefix}.momentum_warmup",
               f"must be >= 0 (0 = off), got {self.momentum_warmup}")
+        check(0 <= self.normuon_beta2 < 1, f"{prefix}.normuon_beta2",
+              f"must be in [0, 1), got {self.normuon_beta2}")
         limit = 5 if self.ns_coefficients == "polar_express" else 50
         check(1 <= self.ns_steps <= limit, f"{prefix}.ns_steps",
               f"must be in 1..{limit} with ns_coefficients {self.ns_coefficients}, got {self.ns_steps}")

@@ -111,7 +111,8 @@ def build_optimizer(model: torch.nn.Module, cfg, tp_group=None) -> tuple[torch.o
         groups = [g for g in groups if g["params"]]
         names = {id(p): n for n, p in model.named_parameters()}
         lines = describe(groups, names)
-        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2)), lines
+        return AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps), lines
+    mark_fused(model)
     where = assign(model, t)
     buckets: dict[tuple[str, bool], list] = defaultdict(list)
     names = {}
@@ -134,9 +135,10 @@ def build_optimizer(model: torch.nn.Module, cfg, tp_group=None) -> tuple[torch.o
             if group == "muon":
                 g.update(kind="muon", momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
                          ns_dtype=m.ns_dtype, ns_coefficients=m.ns_coefficients, shape_scale=m.shape_scale,
-                         cautious=m.cautious_wd)
+                         cautious=m.cautious_wd, normuon=m.normuon, normuon_beta2=m.normuon_beta2,
+                         wd_scale=m.wd_scale, split_fused=m.split_fused, base_weight_decay=wd)
             else:
-                g.update(kind="adamw", betas=tuple(t.group_betas.get(group, (t.beta1, t.beta2))), eps=1e-8)
+                g.update(kind="adamw", betas=tuple(t.group_betas.get(group, (t.beta1, t.beta2))), eps=t.eps)
             same = next((h for h in groups if {k: v for k, v in h.items() if k not in ("params", "group")}
                          == {k: v for k, v in g.items() if k not in ("params", "group")}), None)
             if same is None:
@@ -147,10 +149,21 @@ def build_optimizer(model: torch.nn.Module, cfg, tp_group=None) -> tuple[torch.o
     if t.optimizer == "adamw":
         for g in groups:
             del g["kind"], g["eps"]
-        optimizer = AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+        optimizer = AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     else:
         optimizer = MuonAdamW(groups, tp_group=tp_group)
     return optimizer, describe(groups, names)
+
+
+def mark_fused(model: torch.nn.Module) -> None:
+    """Mark each fused projection (a weight a layer's ``tp_plan`` declares as ``parts`` > 1 equal sub-tensors:
+    q/k/v in ``w_qkv``) ``fused = (dim, parts)``: Muon's ``split_fused`` orthogonalises it part by part."""
+    for module in model.modules():
+        if hasattr(module, "tp_plan"):
+            for name, how in module.tp_plan().items():
+                p = getattr(module, name, None)
+                if isinstance(p, torch.nn.Parameter) and how.parts > 1:
+                    p.fused = (how.dim, how.parts)
 
 
 def describe(groups: list[dict], names: dict[int, str]) -> list[str]:
@@ -180,14 +193,16 @@ def describe(groups: list[dict], names: dict[int, str]) -> list[str]:
 
 
 def apply_schedule(param_groups: list[dict], step: int, t) -> float:
-    """Set every group's lr (the schedule's x its ``lr_scale``) and Muon's momentum for ``step``;
-    returns the scheduled lr."""
+    """Set every group's lr (the schedule's x its ``lr_scale``), Muon's momentum and (``wd_schedule:
+    linear``) Muon's weight decay for ``step``; returns the scheduled lr."""
     lr = lr_at(step, t.lr, t.min_lr, t.warmup, t.steps, t.schedule, t.decay_fraction, t.decay_shape)
     momentum = momentum_at(step, t.muon.momentum, t.muon.momentum_start, t.muon.momentum_warmup)
+    wd_factor = max(0.0, 1 - step / t.steps) if t.muon.wd_schedule == "linear" else 1.0
     for g in param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
         if g.get("kind") == "muon":
             g["momentum"] = momentum
+            g["weight_decay"] = g["base_weight_decay"] * wd_factor
     return lr
 
 

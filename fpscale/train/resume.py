@@ -54,6 +54,10 @@ def plan_resume(cfg: Config, state, run_dir: str, model, progress: TrainState) -
         raise CheckpointError(
             f"{folder} was saved on {where}; it resumes on another layout only from a DeepSpeed "
             f"ZeRO 1-3 checkpoint into a DeepSpeed run (its weights load anywhere: launch/convert.py)")
+    if cfg.train.optimizer == "muon_adamw" and cfg.train.muon.normuon:
+        raise CheckpointError(f"{folder} was saved on {where}: train.muon.normuon keeps its moments per whole matrix "
+                              f"(state normuon_v), which DeepSpeed's universal checkpoint does not carry; resume it "
+                              f"on the layout it was saved on (docs/optimizers.md)")
     log.info("resuming %s (saved on %s) through a universal checkpoint", folder, where)
     checkpoint.prepare_universal(folder, state)
     return ResumePlan(folder, meta, universal=True)

@@ -3,6 +3,8 @@
     python tests/parallel/run_muon.py OUT ref                       # one process, the reference
     torchrun --nproc_per_node 4 tests/parallel/run_muon.py OUT grid   # TP2 x DP2 ZeRO-1
     torchrun --nproc_per_node 2 tests/parallel/run_muon.py OUT pairs  # TP2, DP2 ZeRO-1/2/3 (+ bf16 0-2), resumes
+    python tests/parallel/run_muon.py OUT modes_ref                 # Attractor's and Keller's modes, one process
+    torchrun --nproc_per_node 2 tests/parallel/run_muon.py OUT modes  # the same on TP2, DP2 ZeRO-1 and ZeRO-3
 
 Every run trains 5 steps and saves at step 3 and 5 (OUT/<run>/checkpoints); ``pairs`` also resumes
 TP2 and DP2 ZeRO-1 from their step-3 checkpoints (``<run>_resumed``) and DP2 ZeRO-1 from the grid's
@@ -29,6 +31,10 @@ BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "mode
         "solver.max_iter=6", "solver.tol=1e-3",
         "train.optimizer=muon_adamw", "train.muon.ns_dtype=fp32", "train.muon.weight_decay=0.5",
         "train.muon.momentum_warmup=3", "train.lr_scale.embed=2.0", "train.group_weight_decay.scalar=0.0"]
+# Muon as Attractor's MuonAdamW (NorMuon, decay x shape scale to 0, polar express) and as Keller's Muon
+MODES = {"attractor": ["train.muon.shape_scale=keller", "train.muon.normuon=true", "train.muon.wd_scale=step",
+                       "train.muon.wd_schedule=linear", "train.muon.ns_coefficients=polar_express"],
+         "keller": ["train.muon.shape_scale=keller", "train.muon.cautious_wd=false", "train.muon.split_fused=false"]}
 # ZeRO-3 partitions a parameter only above stage3_param_persistence_threshold elements (1e5 by default)
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
@@ -88,6 +94,25 @@ def main():
         state = init_parallel(2)
         runs["grid"] = train(out, "grid", ["parallel.tp=2", "parallel.zero_stage=1"], state)
         state.close()
+    elif mode == "modes_ref":
+        for m, extra in MODES.items():
+            runs[m] = train(out, m, extra)
+    elif mode == "modes":
+        tp2, dp2 = init_parallel(2), init_parallel(1)
+        for m, extra in MODES.items():
+            runs[f"{m}_tp2"] = train(out, f"{m}_tp2", [*extra, "parallel.tp=2", "parallel.zero_stage=1"], tp2)
+            runs[f"{m}_dp2_zero1"] = train(out, f"{m}_dp2_zero1", [*extra, "parallel.zero_stage=1"], dp2)
+        extra = MODES["attractor"]         # NorMuon's moments in ZeRO-3's per-parameter partitions, and resumed
+        runs["attractor_dp2_zero3"] = train(out, "attractor_dp2_zero3", [*extra, "parallel.zero_stage=3"], dp2, ZERO3)
+        runs["attractor_dp2_zero1_resumed"] = train(out, "attractor_dp2_zero1_resumed", [
+            *extra, "parallel.zero_stage=1", f"train.resume={step3(out, 'attractor_dp2_zero1')}"], dp2)
+        try:                               # NorMuon's moments do not travel through a universal checkpoint
+            train(out, "attractor_tp2_to_dp2", [*extra, "parallel.zero_stage=1",
+                                                f"train.resume={step3(out, 'attractor_tp2')}"], dp2)
+            runs["attractor_tp2_to_dp2_refused"] = ""
+        except Exception as e:             # noqa: BLE001 - the refusal's message is what the test reads
+            runs["attractor_tp2_to_dp2_refused"] = str(e)
+        dp2.close()
     else:
         tp2, dp2 = init_parallel(2), init_parallel(1)
         runs["tp2"] = train(out, "tp2", ["parallel.tp=2", "parallel.zero_stage=1"], tp2)
