@@ -26,7 +26,8 @@ import torch
 
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
+from fpscale.solvers.step import Agree, Consensus, StateReduce
+from fpscale.solvers.step import per_token as _per_token
 from fpscale.solvers.stats import SolverStats
 
 # Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (``VjpStep``: f

@@ -183,8 +183,6 @@ class SolverConfig:
               "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
               "PyTorch bookkeeping: use auto or torch")
         check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
-        check(not (self.chunk and self.anderson), key("chunk"),
-              f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
         check(not self.cuda_graph or self.chunk > 0, key("cuda_graph"),
               "captures the compiled chunk: it needs solver.chunk > 0 (K iterations per graph), got chunk = 0")
         check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),
