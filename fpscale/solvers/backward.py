@@ -26,9 +26,9 @@ import torch
 
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.stats import SolverStats
 from fpscale.solvers.step import Agree, Consensus, StateReduce
 from fpscale.solvers.step import per_token as _per_token
-from fpscale.solvers.stats import SolverStats
 
 # Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (``VjpStep``: f
 # linearised once per chunk) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so

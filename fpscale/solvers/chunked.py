@@ -98,8 +98,11 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
     counts per code object). ``graphed`` (``solver.cuda_graph``): mode reduce-overhead, CUDA graph trees."""
     if (code, BACKEND, graphed) not in _COMPILED:
         own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
-        kw = {"mode": "reduce-overhead"} if graphed else {"backend": BACKEND}
-        _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False, **kw)
+        if graphed:         # Inductor's CUDA graph trees
+            _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False,
+                                                              mode="reduce-overhead")
+        else:
+            _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False, backend=BACKEND)
     return _COMPILED[code, BACKEND, graphed]
 
 
@@ -206,7 +209,7 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         state, counts, words = run(state, k0, length, cap_t, never)
         with torch.no_grad():
             mismatch = differs(consensus, words) if verify else state.running
-            if defer:                                                       # DP: one all-reduce
+            if defer and agree is not None:                                 # DP: one all-reduce
                 stopped, kstar, reason = first_stop(agree(counts), k0, cap_t, low_t, lim_t)
                 running = ~stopped
             else:

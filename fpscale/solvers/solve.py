@@ -18,9 +18,9 @@ from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
 from fpscale.solvers.loop_state import state_dtype
-from fpscale.solvers.step import SolveContext
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
+from fpscale.solvers.step import SolveContext
 
 
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,

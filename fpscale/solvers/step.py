@@ -104,11 +104,11 @@ def start_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1, carry: Carr
     def scalar(value, dt=torch.long):
         return torch.full((), value, dtype=dt, device=dev)
 
-    hist = new_history(z, cfg) if cfg.anderson else (None, None, None)
+    hist_x, hist_f, hist_n = new_history(z, cfg) if cfg.anderson else (None, None, None)
     last_f = z.clone() if cfg.anderson and cfg.anderson_variant == "attractor" else None
     return LoopState(z, c.eta, c.best, c.patience_left, c.frozen, c.token_res,
                      torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev), scalar(True, torch.bool),
-                     scalar(0), scalar(MAX_ITER), *hist, last_f)
+                     scalar(0), scalar(MAX_ITER), hist_x, hist_f, hist_n, last_f)
 
 
 def fresh_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1) -> Carry:

@@ -1,5 +1,6 @@
 """The stop rule: which residual a unit's convergence test reads (``solver.stop_residual``), the flags a
-TP group agrees on each iteration (``StopFlags``), the quantile limit, and when the host reads (``read_schedule``). The step that applies them is fpscale.solvers.step.
+TP group agrees on each iteration (``StopFlags``), the quantile limit, and when the host reads
+(``read_schedule``). The step that applies them is fpscale.solvers.step.
 
 ``solver.stop_residual``:
 
