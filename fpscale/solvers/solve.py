@@ -87,8 +87,9 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     if unroll:
         return z, stats
     if not grad:
-        # One forward value in every mode (DESIGN.md s3): what the grad-mode forward outputs at this
-        # iterate, f(z*) for jfb and f^k(z*) for phantom, unless ``eval_output: iterate``
+        # One forward value in every mode (docs/solver.md, "One forward value in every mode"): what the
+        # grad-mode forward outputs at this iterate, f(z*) for jfb and f^k(z*) for phantom, unless
+        # ``eval_output: iterate``
         steps = cfg.output_steps if cfg.eval_output == "step" else 0
         if on_final is not None:
             on_final()
