@@ -25,8 +25,8 @@ mode during the solve (attractor.py:299-310); fpscale's maps have no dropout ins
 
 The head's parameters are stacked over its blocks and used functionally (fpscale.layers.stacked, shared
 with ``looped``), so the whole solve runs inside this module's single forward (ZeRO-3 gathers them
-once). Tensor parallelism splits heads and MLP units as ``attn`` does; c and y stay whole on every rank. Decoding keeps every
-head block's keys and values of past tokens at every iteration (fpscale.layers.step_cache, as
+once). Tensor parallelism splits heads and MLP units as ``attn`` does; c and y stay whole on every
+rank. Decoding keeps every head block's keys and values of past tokens at every iteration (fpscale.layers.step_cache, as
 ``looped``): with the causal solve (``decisions: token``) cached decoding repeats the full forward's
 iterates, converged or not. Attractor's own solve (``decisions: sample``, their Anderson) is not
 causal before convergence (docs/attractor.md): cached decoding then equals the full forward only
