@@ -25,7 +25,7 @@ class SolverConfig:
                          residual per sample, ||f(z) - z||_2 / ||z||_2 over the whole sample (every
                          token and channel), in float32 against the previous iterate z, as
                          jacobfa/Attractor does (attractor/models/attractor/solvers.py:4-9);
-                         fpscale.solvers.sample_residual
+                         fpscale.solvers.anderson.sample_residual
       min_iter           no convergence (quantile) stop before this many applications of f (the
                          non-finite stop still applies); clipped to the cap, as Attractor does
                          (attractor.py:340)

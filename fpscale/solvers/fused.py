@@ -45,7 +45,7 @@ Triton imports, for every solve without autograd through the loop (the forward s
 implicit, phantom and jfb backward modes, every adjoint solve, evaluation); the unroll backward's
 training solve and Anderson mixing keep the PyTorch loop. ``fused`` requires it (on CPU only under
 ``TRITON_INTERPRET=1``, set before this module is first imported: Triton decides per kernel at its
-definition); ``torch`` never. Block sizes are untuned defaults (not yet run on a GPU).
+definition); ``torch`` never. Block sizes are untuned defaults (run on H200s: docs/gpu.md).
 
     python bench/solver_overhead.py --bookkeeping fused      # kernels per iteration, on CPU via the interpreter
 

@@ -1,6 +1,6 @@
 """The solver's one iteration: a function of a loop state and a solve context, written once.
 
-Every execution mode runs ``advance`` (fpscale.solvers.loop): the eager loop (a chunk of one iteration,
+Every execution mode runs ``advance`` (fpscale.solvers.chunked): the eager loop (a chunk of one iteration,
 read every iteration), ``check_every: N`` (chunks of N, the stop tested at their last iteration), the
 compiled chunk (``solver.chunk: K``, the stop tested every iteration, read once per chunk). Only the
 fused Triton bookkeeping (fpscale.solvers.fused) stands in for the bookkeeping part with kernels.
