@@ -1,6 +1,7 @@
 """Every repository path, every dotted ``fpscale.`` name and every relative markdown link that the docs
-(README.md, docs/*.md) and the package's docstrings and comments name resolves: the path exists (a glob matches something), the module
-exists, and a name after it is defined at its top level (a function, class, assignment or import).
+(README.md, docs/*.md) and the package's docstrings and comments name resolves: the path exists (a glob
+matches something), the module exists, and a name after it is defined at its top level (a function, class,
+assignment or import).
 Read from the source (ast), nothing imported: quick.
 
     .venv/bin/python -m pytest -q tests/test_doc_references.py
