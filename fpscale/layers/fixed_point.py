@@ -90,6 +90,12 @@ class FixedPointLayer(LoopedLayer):
             cached = self.__dict__["_every_iteration"] = EveryIteration(consensus)
         return cached
 
+    def expected_iterations(self) -> int | None:
+        """``solver.chunk_schedule: expected``: the iterations the previous solve took (None: no hint)."""
+        if self.solver.chunk_schedule != "expected" or self.last_stats is None:
+            return None
+        return self.last_stats.iterations
+
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None, step_cache: StepCache | None = None,
                     on_final: Callable[[], None] | None = None) -> torch.Tensor:
@@ -108,7 +114,7 @@ class FixedPointLayer(LoopedLayer):
                                    agree=self.dp_agree if self.training and self.solver.agree == "dp" else None,
                                    min_iter=step_cache.min_iter if step_cache is not None else 0,
                                    prefix=step_cache.prefix if step_cache is not None else None,
-                                   group=self.entries_per_token,
+                                   group=self.entries_per_token, expect=self.expected_iterations(),
                                    on_final=_both(on_final, step_cache.on_final if step_cache is not None else None))
         if step_cache is not None:
             step_cache.retired_at = self.last_stats.retired_at

@@ -202,6 +202,9 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                               "still)", stacklevel=4)
         return _chunk(*args)
 
+    # chunk_schedule expected: the first read after the chunks covering the expected iterations (not under a
+    # deferred DP agreement, whose replay needs a read per chunk)
+    ahead = -(-min(ctx.expect, cap) // K) if fixed and not defer and ctx.expect else 1
     done, n, why, k0 = False, cap, MAX_ITER, 0
     while k0 < cap:
         length = K if fixed else min(K, cap - k0)
@@ -209,6 +212,14 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         state, counts, words = run(state, k0, length, cap_t, never)
         with torch.no_grad():
             mismatch = differs(consensus, words) if verify else state.running
+        while ahead > 1 and k0 + length < cap:       # more chunks before the read (no read between them)
+            ahead, k0 = ahead - 1, k0 + length
+            state, counts, words = run(state, k0, length, cap_t, never)
+            if verify:
+                with torch.no_grad():
+                    mismatch = mismatch | differs(consensus, words)
+        ahead = 1
+        with torch.no_grad():
             if defer and agree is not None:                                 # DP: one all-reduce
                 stopped, kstar, reason = first_stop(agree(counts), k0, cap_t, low_t, lim_t)
                 running = ~stopped

@@ -97,6 +97,12 @@ class SolverConfig:
                          device mask, one host read per chunk, each chunk compiled as one graph where
                          it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
                          above (check_every, bookkeeping)
+      chunk_schedule     fixed (default) | expected: with ``chunk`` > 0, when the host reads. fixed: after
+                         every chunk. expected: a layer's solve launches the chunks that cover the iterations
+                         its previous solve took before its first read, then reads after each chunk; with a
+                         small chunk (1 or 2: one compiled graph of that many iterations) a solve computes
+                         no masked iteration after its stop unless it stops earlier than the last one, and
+                         still reads about once (not under ``agree: dp``, which reads every chunk)
       cuda_graph         with ``chunk`` > 0, on CUDA: each compiled chunk is captured as a CUDA graph and
                          replayed (torch.compile mode reduce-overhead: CUDA graph trees, static buffers per
                          geometry and dtype), so a chunk of K iterations is one graph launch. Needs a traced
@@ -138,6 +144,7 @@ class SolverConfig:
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
     chunk: int = 0
+    chunk_schedule: Literal["fixed", "expected"] = "fixed"
     cuda_graph: bool = False
 
     def validate(self, prefix: str = "") -> None:
@@ -183,6 +190,9 @@ class SolverConfig:
               "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
               "PyTorch bookkeeping: use auto or torch")
         check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
+        check(self.chunk_schedule in ("fixed", "expected"), key("chunk_schedule"),
+              f"must be fixed (a read after every chunk) or expected (the first read after the layer's previous "
+              f"solve's iterations), got {self.chunk_schedule!r}")
         check(not self.cuda_graph or self.chunk > 0, key("cuda_graph"),
               "captures the compiled chunk: it needs solver.chunk > 0 (K iterations per graph), got chunk = 0")
         check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),

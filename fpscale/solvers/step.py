@@ -65,6 +65,9 @@ class SolveContext:
     max_iter      this call's cap (None: the config's, training or evaluation)
     on_final      called once the loop ended, before f is applied to z* (cached decoding's caches,
                   fpscale.layers.step_cache; fpsa's entry counter)
+    expect        the iterations this solve is expected to take (the layer's previous solve, with
+                  ``solver.chunk_schedule: expected``): a chunked solve launches that many iterations'
+                  chunks before its first host read (fpscale.solvers.chunked)
     """
     consensus: Consensus | None = None
     state_reduce: StateReduce | None = None
@@ -75,6 +78,7 @@ class SolveContext:
     min_iter: int = 0
     max_iter: int | None = None
     on_final: Callable[[], None] | None = None
+    expect: int | None = None
 
 
 class LoopState(NamedTuple):
