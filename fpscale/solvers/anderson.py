@@ -89,8 +89,12 @@ def mix(z, fz, eta, X, F, n, update, cfg, by_token: bool, state_reduce=None, gro
     filled = torch.clamp(n, max=m)
     valid = slots < filled                                              # [m]
     attractor = cfg.anderson_variant == "attractor"
+    Xs, Fs = X, F                           # the attractor variant: in ring order, as theirs
+    if not attractor:                       # fpscale: oldest pair first (the order of its window before the ring)
+        order = (torch.clamp(n - m, min=0) + slots) % m
+        Xs, Fs = X.index_select(1, order), F.index_select(1, order)
     solve_dtype = z.dtype if attractor else torch.float64      # attractor: the Gram in z's dtype, solved in float32
-    G = torch.where(valid[None, :, None], F - X, 0).to(solve_dtype)
+    G = torch.where(valid[None, :, None], Fs - Xs, 0).to(solve_dtype)
     gram = G @ G.transpose(1, 2)
     if state_reduce is not None:             # the state is split over ranks: sum the partial Gram
         gram = state_reduce(gram, "sum")
@@ -110,7 +114,10 @@ def mix(z, fz, eta, X, F, n, update, cfg, by_token: bool, state_reduce=None, gro
     if attractor:
         last = (slots == filled - 1).to(z.dtype)[None].expand(rows, m)
         alpha = torch.where(torch.isfinite(alpha).all(dim=-1, keepdim=True), alpha, last)
-    mixed = beta * (alpha[..., None] * F).sum(1) + (1 - beta) * (alpha[..., None] * X).sum(1)
+    if attractor:
+        mixed = beta * (alpha[..., None] * F).sum(1) + (1 - beta) * (alpha[..., None] * X).sum(1)
+    else:
+        mixed = beta * (alpha[:, None] @ Fs)[:, 0] + (1 - beta) * (alpha[:, None] @ Xs)[:, 0]
     if attractor:
         plain = n < PLAIN_STEPS if cap is None else (n < PLAIN_STEPS) | (cap < PLAIN_STEPS + 1)
         mixed = torch.where(plain, f, mixed)

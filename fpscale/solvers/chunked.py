@@ -108,8 +108,8 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
 
 def _replay(compiled: Callable, args: tuple, after: Callable[[], None] | None = None):
     """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's outputs
-    may be overwritten), so what the solve keeps is cloned out of the graph's pool; ``after`` (the step's
-    ``after_replay``: fpsa's entry counter) takes out the tensors a step keeps across calls."""
+    may be overwritten), so what the solve keeps is cloned out of the graph's pool; ``after``
+    (``SolveContext.after_replay``: fpsa's entry counter) takes out the tensors a step keeps across calls."""
     torch.compiler.cudagraph_mark_step_begin()
     state, counts, words = compiled(*args)
     if after is not None:
@@ -189,7 +189,7 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         if traced:
             try:
                 if graphed:
-                    return _replay(_compiled_chunk(code, True), args, getattr(step, "after_replay", None))
+                    return _replay(_compiled_chunk(code, True), args, ctx.after_replay)
                 return _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = graphed = False

@@ -86,6 +86,10 @@ class SolverConfig:
                          or fpsa's (token, head)) whose residual fell below backward_tol is frozen,
                          as the forward's ``freeze_converged`` freezes (seed 000, App. C.3). Off: the
                          adjoint updates every entry until it stops
+      adjoint_step       grad (default) | vjp: the implicit adjoint's step as ``torch.autograd.grad`` of the
+                         recorded f(z*) (eager: dynamo does not trace it) or as ``torch.func.vjp`` of f at z*,
+                         linearised once per chunk, which a chunked adjoint compiles (fpscale.solvers.backward.
+                         VjpStep; not with the CUDA Triton scan: fpmamba on a GPU). Not yet measured on a GPU
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
                          tol 0 (a fixed depth: none converges) only non-finite samples are masked
     Speed:
@@ -140,6 +144,7 @@ class SolverConfig:
     backward_tol: float = 1e-4
     backward_min_iter: int = 0
     backward_freeze: bool = False
+    adjoint_step: Literal["grad", "vjp"] = "grad"
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
@@ -198,6 +203,9 @@ class SolverConfig:
         check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),
               "needs a traced chunk; backward unroll's training solve runs under autograd (not traced, not "
               "captured): use backward implicit, phantom or jfb, or cuda_graph false")
+        check(self.adjoint_step in ("grad", "vjp"), key("adjoint_step"),
+              f"must be grad (autograd.grad of the recorded f) or vjp (torch.func.vjp: a chunked adjoint "
+              f"compiles), got {self.adjoint_step!r}")
         check(self.eval_output in ("step", "iterate"), key("eval_output"),
               f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
               f"(the last iterate z*), got {self.eval_output!r}")

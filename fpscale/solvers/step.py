@@ -65,6 +65,8 @@ class SolveContext:
     max_iter      this call's cap (None: the config's, training or evaluation)
     on_final      called once the loop ended, before f is applied to z* (cached decoding's caches,
                   fpscale.layers.step_cache; fpsa's entry counter)
+    after_replay  called after each replay of a captured chunk (``solver.cuda_graph``): a step that keeps
+                  tensors across calls takes them out of the graph's pool (fpsa's entry counter)
     expect        the iterations this solve is expected to take (the layer's previous solve, with
                   ``solver.chunk_schedule: expected``): a chunked solve launches that many iterations'
                   chunks before its first host read (fpscale.solvers.chunked)
@@ -79,6 +81,7 @@ class SolveContext:
     max_iter: int | None = None
     on_final: Callable[[], None] | None = None
     expect: int | None = None
+    after_replay: Callable[[], None] | None = None
 
 
 class LoopState(NamedTuple):
