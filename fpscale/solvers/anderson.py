@@ -13,7 +13,7 @@ every execution mode (eager, check_every, compiled chunks). What differs from fp
   * the window is a ring of m slots filled in order (pair j in slot j mod m, solvers.py:100-102), so
     the Gram has their row order and a float32 solve rounds as theirs does
   * two plain steps come first: x1 = f(x0), then mixing from the third application on; no stop test
-    reads the first two residuals (solvers.py:49-52, 67-69): ``iterate`` raises min_iter to 3
+    reads the first two residuals (solvers.py:49-52, 67-69): ``min_iterations`` raises min_iter to 3
   * the solve returns the last f(x), not the mixed next iterate (solvers.py:116)
   * a non-finite alpha falls back to the plain step on the ring's last slot, per sample
     (solvers.py:88-93). Deviations: a singular system is not retried with ``lstsq`` (solvers.py:79-85
@@ -23,6 +23,10 @@ every execution mode (eager, check_every, compiled chunks). What differs from fp
   * beta (solvers.py:95-97) is fpscale's per-sample damping eta: beta F alpha + (1 - beta) X alpha
   * a cap below 3 iterates plainly: their model switches to fixed-point iteration then
     (attractor.py:342-343)
+(``solvers.py:N``, ``attractor.py:N``: lines of their attractor/models/attractor/, not fpscale's files.)
+fpscale's variant is bit for bit the list-based window it was before the history became tensors (issue 47:
+the ring read oldest first); its system is solved with ``solve_ex`` (no host read): a singular one gives a
+non-finite iterate, which the non-finite stop catches, where ``solve`` raised.
 
 ``sample_residual``: ||f(x) - x||_2 / max(||x||_2, 1e-9) over each whole sample, in float32
 (solvers.py:4-9): one number per sample, against the previous iterate x (fpscale's per-token
