@@ -89,7 +89,7 @@ def mix(z, fz, eta, X, F, n, update, cfg, by_token: bool, state_reduce=None, gro
     slots = torch.arange(m, device=z.device)
     write = ((slots == n % m) & update)[None, :, None]
     X, F = torch.where(write, x[:, None], X), torch.where(write, f[:, None], F)
-    n = n + update.long()
+    n = n + (update.long() if isinstance(update, torch.Tensor) else int(update))
     filled = torch.clamp(n, max=m)
     valid = slots < filled                                              # [m]
     attractor = cfg.anderson_variant == "attractor"

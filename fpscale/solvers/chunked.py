@@ -66,12 +66,12 @@ _COMPILED: dict = {}               # (step code, backend, graphed) -> its compil
 
 
 def _chunk(step, state, k0, cap, min_iter, limit, bad_at, cfg: SolverConfig, K: int, last_only: bool, real, prefix,
-           state_reduce, group: int, consensus, agree, defer: bool, verify: bool):
+           state_reduce, group: int, consensus, agree, defer: bool, verify: bool, masked: bool = True):
     """K iterations of ``advance`` from iteration ``k0 + 1`` (``k0``, ``cap``, ``min_iter``, ``limit`` and
     ``bad_at`` device scalars). ``last_only``: the stop is tested at the chunk's last iteration only
     (check_every). ``defer`` (``agree: dp`` in a chunk): no stop but the cap, the local counts [K, 3]
-    recorded for the agreement after the chunk; ``verify`` (TP): the flags packed as words. Returns
-    (state, counts or None, words or None)."""
+    recorded for the agreement after the chunk; ``verify`` (TP): the flags packed as words; ``masked``
+    False: the eager loop's chunk of one (``step.advance``). Returns (state, counts or None, words or None)."""
     if hasattr(step, "per_chunk"):          # a step that prepares once per chunk (backward.VjpStep)
         step = step.per_chunk()
     ctx = SolveContext(state_reduce=state_reduce, real=real, prefix=prefix, group=group)
@@ -82,7 +82,7 @@ def _chunk(step, state, k0, cap, min_iter, limit, bad_at, cfg: SolverConfig, K: 
     for i in range(K):
         state, counts, active = advance(step, state, k0 + (i + 1), i == 0, cfg, ctx, cap=cap, min_iter=min_iter,
                                         limit=limit, test=(i == K - 1) if last_only else True, consensus=consensus,
-                                        agree=agree, bad_at=bad_at if defer else None)
+                                        agree=agree, bad_at=bad_at if defer else None, masked=masked)
         with torch.no_grad():
             if defer:
                 rows.append(torch.stack([*counts.sums(), counts.nonfinite.long()]) * active)
@@ -181,11 +181,14 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         if consensus is not None or ctx.state_reduce is not None:
             raise ValueError(f"solver.cuda_graph = true under tensor parallelism: {_TP_CAPTURE}")
     cap_t, low_t, lim_t, never = scalar(cap), scalar(low), scalar(limit), scalar(NEVER)
+    masked = fixed or K > 1          # the eager loop (a chunk of one, read every iteration) needs no masks
 
-    def run(state, k0: int, length: int, cap, bad_at):
+    def run(state, k0: int, length: int, cap_v, bad_at):
         nonlocal traced, graphed
-        args = (step, state, scalar(k0), cap, low_t, lim_t, bad_at, cfg, length, last_only, ctx.real, ctx.prefix,
-                ctx.state_reduce, ctx.group, per_iteration, agree_each, defer, verify)
+        # device scalars where the chunk is traced (no recompilation per iteration count), else ints
+        numbers = (scalar(k0), cap_v, low_t, lim_t) if traced or defer else (k0, cap, low, limit)
+        args = (step, state, *numbers, bad_at, cfg, length, last_only, ctx.real, ctx.prefix,
+                ctx.state_reduce, ctx.group, per_iteration, agree_each, defer, verify, masked)
         if traced:
             try:
                 if graphed:
@@ -227,6 +230,10 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                 running, kstar, reason = state.running, state.iters, state.reason
             alive, n, why, bad, k_star = torch.stack([running.long(), state.iters, reason, mismatch.long(),
                                                       kstar]).tolist()     # the chunk's one read
+        if not masked:               # the eager loop: the host counts; a non-finite step keeps the state before it
+            n = k0 + length
+            if not alive and why == NONFINITE:
+                state = begin
         if verify and bad:
             raise RuntimeError(f"solver.chunk = {K} under tensor parallelism: the ranks of a TP group saw different "
                                f"stop flags in iterations {k0 + 1}..{k0 + K} (a collective or a step that is not "

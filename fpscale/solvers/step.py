@@ -21,7 +21,7 @@ The host reads [running, iters, reason] after a chunk (the schedule's one synchr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -244,21 +244,24 @@ def damped(z, fz, eta, by_token: bool, group: int) -> torch.Tensor:
     return step_eta * fz + (1 - step_eta) * z
 
 
-def advance(step, s: LoopState, k: torch.Tensor, first: bool, cfg: SolverConfig, ctx: SolveContext, *,
-            cap, min_iter, limit, test, consensus=None, agree=None, bad_at=None):
-    """One iteration of every mode (module docstring). ``test``: whether the stop rule is tested at this
-    iteration (a device bool, or True); ``bad_at`` (a chunk deferring its DP agreement): the stop is off
-    but for the cap, and no update at iteration ``bad_at``. Returns (state, counts, active)."""
+def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveContext, *,
+            cap, min_iter, limit, test, consensus=None, agree=None, bad_at=None, masked: bool = True):
+    """One iteration of every mode (module docstring). ``k``, ``cap``, ``min_iter``, ``limit``: device
+    scalars (a compiled chunk) or ints (eager). ``test``: whether the stop rule is tested at this
+    iteration; ``bad_at`` (a chunk deferring its DP agreement): the stop is off but for the cap, and no
+    update at iteration ``bad_at``. ``masked`` False (the eager loop: one iteration per read, never past
+    the stop): the update is not held by masks; on a non-finite residual the caller keeps the state it
+    passed in. Returns (state, counts, active)."""
     by_token, tol = cfg.decisions == "token", cfg.tol
-    active = s.running & (k <= cap)
+    active: Any = s.running & (k <= cap) if masked else True       # a device bool, or True
     fz, res, counts, new_best, new_left, next_eta = observe(step, s.z, first, cfg, s, ctx, consensus, agree)
     with torch.no_grad():
         n_unconverged, movable = counts.sums()
         nonfinite = counts.nonfinite
         # the eager rule: no update on a non-finite residual (under deferred DP: at the group's k*)
-        update = active & ((k != bad_at) if bad_at is not None else ~nonfinite)
-        best = torch.where(active, new_best, s.best)
-        patience_left = torch.where(active, new_left, s.patience_left)
+        update: Any = (active & ((k != bad_at) if bad_at is not None else ~nonfinite)) if masked else True
+        best = torch.where(active, new_best, s.best) if masked else new_best
+        patience_left = torch.where(active, new_left, s.patience_left) if masked else new_left
     hist_x, hist_f, hist_n, last_f = s.hist_x, s.hist_f, s.hist_n, s.last_f
     if cfg.anderson:
         z_next, hist_x, hist_f, hist_n = mix(s.z, fz, s.eta, s.hist_x, s.hist_f, s.hist_n, update, cfg,
@@ -266,19 +269,22 @@ def advance(step, s: LoopState, k: torch.Tensor, first: bool, cfg: SolverConfig,
     else:
         z_next = damped(s.z, fz, s.eta, by_token, ctx.group)
     if last_f is not None:
-        last_f = torch.where(update, fz, last_f)
+        last_f = torch.where(update, fz, last_f) if masked else fz
     frozen, retired_at = s.frozen, s.retired_at
     if by_token or cfg.freeze_converged:
         z_next = torch.where(per_token(frozen, s.z), s.z, z_next)
-    z = torch.where(update, z_next, s.z)
+    z = torch.where(update, z_next, s.z) if masked else z_next
+
+    def held(new, old):
+        return torch.where(update, new, old) if masked else new
     with torch.no_grad():
         if by_token or cfg.freeze_converged:
             newly, prefix_done = counts.retire(res, tol, k, ctx.prefix, ctx.group)
-            frozen = torch.where(update, frozen | newly, frozen)
+            frozen = held(frozen | newly, frozen)
             retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
-        token_res = torch.where(update, res.to(s.token_res.dtype), s.token_res)
-        eta = torch.where(update, next_eta, s.eta)
-        iters = torch.where(active, k, s.iters)
+        token_res = held(res.to(s.token_res.dtype), s.token_res)
+        eta = held(next_eta, s.eta)
+        iters = torch.where(active, k, s.iters) if masked else s.iters      # (eager: the host counts)
         running, reason = s.running, s.reason
         if bad_at is None:
             met, stalled = n_unconverged <= limit, movable == 0
