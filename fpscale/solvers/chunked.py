@@ -55,7 +55,7 @@ from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import fused_wanted, iterate_fused
 from fpscale.solvers.loop_state import NEVER, Carry, IterateResult
 from fpscale.solvers.stats import STOP_REASONS
-from fpscale.solvers.step import MAX_ITER, NONFINITE, SolveContext, advance, start_state
+from fpscale.solvers.step import MAX_ITER, NONFINITE, SolveContext, advance, start_state, stop_code
 from fpscale.solvers.stop_rule import quantile_limit, read_schedule
 
 COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
@@ -89,6 +89,9 @@ def _chunk(step, state, k0, cap, min_iter, limit, bad_at, cfg: SolverConfig, K: 
             if verify:
                 pack_flags(words, nonfinite_words, counts.flags, i, active)
     packed = torch.cat([torch.stack(nonfinite_words), torch.stack(words).flatten()]) if verify else None
+    if not masked:                # the eager loop: the host reads the decision's numbers (``stop_code``)
+        n_unconverged, movable = counts.sums()
+        return state, torch.stack([n_unconverged, n_unconverged <= limit, movable == 0, counts.nonfinite]), packed
     return state, (torch.stack(rows) if defer else None), packed
 
 
@@ -222,6 +225,18 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                 with torch.no_grad():
                     mismatch = mismatch | differs(consensus, words)
         ahead = 1
+        if not masked:               # the eager loop: one read of the decision, the rule applied on the host
+            with torch.no_grad():
+                unconverged, met, stalled, bad_now = counts.tolist()
+            n = k0 + length
+            code = stop_code(bool(bad_now), unconverged, bool(met), bool(stalled), n >= low)
+            if code is not None:
+                if code == NONFINITE:
+                    state = begin        # the last finite iterate
+                why, done = code, True
+                break
+            k0 += length
+            continue
         with torch.no_grad():
             if defer and agree is not None:                                 # DP: one all-reduce
                 stopped, kstar, reason = first_stop(agree(counts), k0, cap_t, low_t, lim_t)
@@ -230,10 +245,6 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                 running, kstar, reason = state.running, state.iters, state.reason
             alive, n, why, bad, k_star = torch.stack([running.long(), state.iters, reason, mismatch.long(),
                                                       kstar]).tolist()     # the chunk's one read
-        if not masked:               # the eager loop: the host counts; a non-finite step keeps the state before it
-            n = k0 + length
-            if not alive and why == NONFINITE:
-                state = begin
         if verify and bad:
             raise RuntimeError(f"solver.chunk = {K} under tensor parallelism: the ranks of a TP group saw different "
                                f"stop flags in iterations {k0 + 1}..{k0 + K} (a collective or a step that is not "

@@ -244,6 +244,16 @@ def damped(z, fz, eta, by_token: bool, group: int) -> torch.Tensor:
     return step_eta * fz + (1 - step_eta) * z
 
 
+def stop_code(nonfinite: bool, unconverged: int, met: bool, stalled: bool, testable: bool) -> int | None:
+    """The stop rule on host values (the eager loop's read), as ``advance`` applies it on the device in a
+    chunk: the ``STOP_REASONS`` index of a stop, or None to go on."""
+    if nonfinite:
+        return NONFINITE
+    if testable and (met or stalled):
+        return CONVERGED if unconverged == 0 else QUANTILE if met else ETA_MIN
+    return None
+
+
 def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveContext, *,
             cap, min_iter, limit, test, consensus=None, agree=None, bad_at=None, masked: bool = True):
     """One iteration of every mode (module docstring). ``k``, ``cap``, ``min_iter``, ``limit``: device
@@ -286,7 +296,11 @@ def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveCon
         eta = held(next_eta, s.eta)
         iters = torch.where(active, k, s.iters) if masked else s.iters      # (eager: the host counts)
         running, reason = s.running, s.reason
-        if bad_at is None:
+        if bad_at is None and masked and test is False:      # check_every between reads: non-finite only
+            stop = active & nonfinite
+            reason = torch.where(stop, NONFINITE, reason)
+            running = running & ~stop
+        elif bad_at is None and masked:    # (eager: the host applies the same rule to the read: ``stop_code``)
             met, stalled = n_unconverged <= limit, movable == 0
             stop = active & (nonfinite | (test & (k >= min_iter) & (met | stalled)))
             code = torch.where(nonfinite, NONFINITE, torch.where(n_unconverged == 0, CONVERGED,
