@@ -1,5 +1,5 @@
 """The adjoint's step as ``torch.func.vjp`` inside the compiled chunk (issue 39, an experiment:
-``fpscale.solvers.backward.FUNC_VJP``: f linearised once per chunk, its pullback applied K times), per
+``solver.adjoint_step: vjp``: f linearised once per chunk, its pullback applied K times), per
 layer type: does the adjoint chunk trace (no fallback to the
 eager chunk), and is the training step the eager adjoint's (loss, every gradient, iterations)? float64,
 the tiny configs of tests/solvers/test_chunked.py, implicit backward, chunks of 4.
@@ -19,7 +19,6 @@ import time
 import torch
 from common import ROOT, print_table, write_json
 
-import fpscale.solvers.backward as backward
 import fpscale.solvers.chunked as chunked
 
 
@@ -28,14 +27,11 @@ def step(kind: str, chunk: int, func_vjp: bool):
     sys.path.insert(0, str(ROOT))
     from tests.models.helpers import tiny_model, token_batches
     from tests.solvers.test_chunked import SOLVER
-    model = tiny_model(kind, dtype=torch.float64, solver={**SOLVER, "backward": "implicit", "chunk": chunk}).train()
+    model = tiny_model(kind, dtype=torch.float64, solver={**SOLVER, "backward": "implicit", "chunk": chunk,
+                                                          "adjoint_step": "vjp" if func_vjp else "grad"}).train()
     x = token_batches(32, n=1, batch=4, seq=12)[0]
-    backward.FUNC_VJP = func_vjp
-    try:
-        loss = model(x[:, :-1], targets=x[:, 1:])
-        loss.backward()
-    finally:
-        backward.FUNC_VJP = False
+    loss = model(x[:, :-1], targets=x[:, 1:])
+    loss.backward()
     (stats,) = model.solver_stats().values()
     return loss.detach(), [p.grad for p in model.parameters()], (stats.iterations, stats.backward_iterations)
 

@@ -41,7 +41,7 @@ from fpscale.models import ModelConfig, layer_spec  # noqa: E402
 from fpscale.solvers import fused  # noqa: E402
 from fpscale.solvers.host_reads import count_aten_ops, count_host_reads  # noqa: E402
 
-iterate_module = importlib.import_module("fpscale.solvers.iterate")
+chunked_module = importlib.import_module("fpscale.solvers.chunked")
 solve_module = importlib.import_module("fpscale.solvers.solve")    # the package exports solve()
 
 LIVE = {"tol": 2e-2, "stop_quantile": 0.25, "backward_tol": 1e-3}
@@ -114,13 +114,13 @@ def ops_in_solve(kind: str, schedule: str, cap: int, args, bookkeeping: str) -> 
     model = build(kind, args.d, args.heads, args.T, solver)
     x = tokens(args.B, args.T)
     every = {"eager": 1, "tol0": None, "every4": 4}[schedule]
-    real_schedule = iterate_module.read_schedule
-    iterate_module.read_schedule = lambda cfg, n: every              # the schedule, whatever tol
+    real_schedule = chunked_module.read_schedule
+    chunked_module.read_schedule = lambda cfg, n: every              # the schedule, whatever tol
     try:
         with torch.no_grad(), count_aten_ops() as ops, counting_iterate(ops) as inner:
             model(x)
     finally:
-        iterate_module.read_schedule = real_schedule
+        chunked_module.read_schedule = real_schedule
     assert inner["iters"] == cap, inner
     return inner
 

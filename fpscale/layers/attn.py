@@ -39,7 +39,7 @@ def check_switches(spec, prefix: str) -> None:
 
 @dataclass
 class AttnSpec(LayerSpec):
-    """``attn``: one pass of attention + MLP. Block switches (fpscale.models.switches), defaults
+    """``attn``: one pass of attention + MLP. Block switches (fpscale.layers.switches), defaults
     fpscale's: ``mlp`` swiglu | relu2 (proj(0.5 relu(fc x)^2), jacobfa/Attractor's), ``qk_norm``
     (a parameter-free RMSNorm on q and k after RoPE), ``init`` fpscale | scaled_zero_ortho
     (Attractor's backbone init: orthogonal q/k/v/fc at std sqrt(2/(5d)), zero output projections)."""

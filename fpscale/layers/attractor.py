@@ -1,5 +1,6 @@
 """``attractor``: jacobfa/Attractor's weight-tied head (arXiv 2605.12466; code at commit fcf045f), solved
-to a fixed point with an implicit backward.
+to a fixed point with an implicit backward. ``attractor.py:N`` below is a line of their
+attractor/models/attractor/attractor.py (not a file of fpscale's).
 
 The layer reads c, the output of the layers before it (their backbone: ``attn`` layers with
 ``mlp: relu2``, ``qk_norm: true``, ``init: scaled_zero_ortho``), and returns y* of
@@ -22,10 +23,10 @@ token moves earlier outputs; the recipes (configs/*_attractor.yaml) solve causal
 ``decisions: token, norm: l2`` and fpscale's Anderson, one mixing per token. Their head runs in eval
 mode during the solve (attractor.py:299-310); fpscale's maps have no dropout inside them either.
 
-The head's parameters are stacked over its blocks and used functionally, so the whole solve runs
-inside this module's single forward (ZeRO-3 gathers them once, ENVIRONMENT.md). Tensor parallelism
-splits heads and MLP units as ``attn`` does; c and y stay whole on every rank. Decoding keeps every
-head block's keys and values of past tokens at every iteration (fpscale.layers.step_cache, as
+The head's parameters are stacked over its blocks and used functionally (fpscale.layers.stacked, shared
+with ``looped``), so the whole solve runs inside this module's single forward (ZeRO-3 gathers them
+once). Tensor parallelism splits heads and MLP units as ``attn`` does; c and y stay whole on every
+rank. Decoding keeps every head block's keys and values of past tokens at every iteration (fpscale.layers.step_cache, as
 ``looped``): with the causal solve (``decisions: token``) cached decoding repeats the full forward's
 iterates, converged or not. Attractor's own solve (``decisions: sample``, their Anderson) is not
 causal before convergence (docs/attractor.md): cached decoding then equals the full forward only
@@ -41,23 +42,10 @@ import torch
 
 from fpscale.errors import check
 from fpscale.layers.attn import check_switches, heads_and_mlp
-from fpscale.layers.common import (
-    TPSplit,
-    attention_flops,
-    init_linear,
-    mlp_flops,
-    real_tokens,
-    rms_norm,
-    rope_span,
-    self_attention,
-    swiglu,
-    swiglu_hidden,
-    wide,
-)
-from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.common import attention_flops, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache
-from fpscale.layers.switches import relu2, scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
+from fpscale.layers.stacked import StackedBlocks
+from fpscale.layers.switches import scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
 
 
 @dataclass
@@ -101,26 +89,12 @@ def gate_logit(gate_init: float, gamma_max: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-class AttractorHead(FixedPointLayer):
+class AttractorHead(StackedBlocks):
     def __init__(self, cfg, spec, solver):
         super().__init__(solver)
         d, n = cfg.d_model, spec.head_blocks
-        hidden = swiglu_hidden(d, cfg.mlp_ratio)
-        self.blocks, self.head_dim, self.rope_theta, self.eps = n, d // cfg.n_heads, cfg.rope_theta, cfg.norm_eps
-        self.kind, self.qk_norm, self.gamma_max = spec.mlp, spec.qk_norm, float(spec.gamma_max)
-        self.attn_norm = torch.nn.Parameter(torch.ones(n, d))
-        self.w_qkv = torch.nn.Parameter(torch.empty(n, 3 * d, d))
-        self.w_o = torch.nn.Parameter(torch.empty(n, d, d))
-        self.mlp_norm = torch.nn.Parameter(torch.ones(n, d))
-        if self.kind == "relu2":
-            self.w_fc = torch.nn.Parameter(torch.empty(n, hidden, d))
-            self.w_proj = torch.nn.Parameter(torch.empty(n, d, hidden))
-            ins, outs = [self.w_fc], [self.w_proj]
-        else:
-            self.w_gate = torch.nn.Parameter(torch.empty(n, hidden, d))
-            self.w_up = torch.nn.Parameter(torch.empty(n, hidden, d))
-            self.w_down = torch.nn.Parameter(torch.empty(n, d, hidden))
-            ins, outs = [self.w_gate, self.w_up], [self.w_down]
+        ins, outs = self.stack(cfg, n, spec.mlp, spec.qk_norm)
+        self.gamma_max = float(spec.gamma_max)
         raw = gate_logit(spec.gate_init, spec.gamma_max)
         self.raw_gamma_attn = torch.nn.Parameter(torch.full((n, d), raw))
         self.raw_gamma_mlp = torch.nn.Parameter(torch.full((n, d), raw))
@@ -135,41 +109,22 @@ class AttractorHead(FixedPointLayer):
                 for w in (self.w_o, *outs):
                     trunc_normal_3(w, std)
             else:
-                out_std = cfg.out_init_std(sublayers=2 * n)
-                for w in (self.w_qkv, *ins):
-                    init_linear(w, cfg.init_std)
-                for w in (self.w_o, *outs):
-                    init_linear(w, out_std)
-
-    def tp_plan(self) -> dict[str, TPSplit]:
-        """Per stacked block (dim 0): heads and MLP hidden units; norms and gates stay whole."""
-        plan = {"w_qkv": TPSplit(1, parts=3), "w_o": TPSplit(2)}
-        if self.kind == "relu2":
-            return {**plan, "w_fc": TPSplit(1), "w_proj": TPSplit(2)}
-        return {**plan, "w_gate": TPSplit(1), "w_up": TPSplit(1), "w_down": TPSplit(2)}
+                self.init_fpscale(cfg, ins, outs)
 
     def gates(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.sigmoid(self.raw_gamma_attn[l]) * self.gamma_max,
                 torch.sigmoid(self.raw_gamma_mlp[l]) * self.gamma_max)
-
-    def mlp(self, l: int, h: torch.Tensor) -> torch.Tensor:
-        if self.kind == "relu2":
-            return relu2(h, self.w_fc[l], self.w_proj[l])
-        return swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l])
 
     def head(self, h, cos, sin, caches: list | None, collect: list | None = None, pad=None):
         """The head's blocks on h (the state dtype); sublayers compute in the weights' dtype, the
         gated residual sums stay in the state dtype."""
         for l in range(self.blocks):
             gate_attn, gate_mlp = self.gates(l)
-            a = self.shards.enter(rms_norm(h, self.attn_norm[l], self.eps))
-            out, k, v = self_attention(a, self.w_qkv[l], self.w_o[l], self.head_dim, cos, sin,
-                                       caches[l] if caches else None, pad=pad, qk_norm=self.qk_norm)
+            out, k, v = self.attention(l, h, cos, sin, caches[l] if caches else None, pad)
             if collect is not None:
                 collect.append((k, v))
-            h = h + self.shards.exit(out) * gate_attn
-            m = self.shards.enter(rms_norm(h, self.mlp_norm[l], self.eps))
-            h = h + self.shards.exit(self.mlp(l, m)) * gate_mlp
+            h = h + out * gate_attn
+            h = h + self.mlp(l, h) * gate_mlp
         return h
 
     def forward(self, x: torch.Tensor, pos: int = 0, cache: dict | None = None,
@@ -181,14 +136,5 @@ class AttractorHead(FixedPointLayer):
             head = self.compiled(self.head)
             return self.fixed_point(lambda y: head(y + c, cos, sin, None, pad=pad) - y, c, real).to(x.dtype)
         # decoding: every head block's K/V at every iteration (fpscale.layers.step_cache), as ``looped``
-        steps = StepCache(cache)
-
-        def f(y):
-            collected: list = []
-            out = self.head(y + c, cos, sin, steps.past_kv(self.blocks), collected, pad) - y
-            steps.record_kv(collected, x.shape[1])
-            return out
-
-        y = self.fixed_point(f, c, real, steps)
-        steps.store_kv(cache, self.blocks)
+        y = self.decode(lambda y, past, collect: self.head(y + c, cos, sin, past, collect, pad) - y, c, real, cache)
         return y.to(x.dtype)

@@ -44,19 +44,18 @@ agreed over DP too (``solver.agree: dp``: the Trainer says so where it is missin
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 
 from fpscale.errors import check
 from fpscale.layers.checkpointing import recompute
-from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.chunked import run_loop
-from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Carry, IterateResult, fresh_state, state_dtype
-from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
+from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
+from fpscale.solvers.loop_state import Carry, IterateResult, state_dtype
+from fpscale.solvers.solve import differentiable, resolved, stats_of
 from fpscale.solvers.stats import SolverStats
+from fpscale.solvers.step import SolveContext, fresh_state
 
 
 def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> None:
@@ -69,19 +68,6 @@ def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> 
           f"(anderson = {solver.anderson}) has no such state: set anderson 0")
     check(not iterate_free, f"{key}", "deep_supervision needs a layer whose map reads its iterate "
           "(this layer's solve is one application: iterate_free)")
-
-
-def fresh_carry(z0: torch.Tensor, cfg: SolverConfig) -> Carry:
-    """Algorithm 1's state at the start of a solve (what ``iterate`` starts from)."""
-    return fresh_state(z0, cfg)
-
-
-def resolved(cfg: SolverConfig, z0: torch.Tensor) -> SolverConfig:
-    """The tolerances the dtype the map computes in can reach (as ``fpscale.solvers.solve`` does)."""
-    dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
-    implicit = cfg.backward in ("implicit", "neumann1")
-    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
 
 
 class Window:
@@ -104,19 +90,17 @@ class Final:
 def run_plan(layer, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, real: torch.Tensor | None,
              plan) -> torch.Tensor:
     """What ``FixedPointLayer.fixed_point`` computes while the model drives it window by window."""
-    cfg = resolved(layer.solver, z0)
-    reduce = layer.shards.state_reduce if layer.state_sharded else None
-    agree = layer.dp_agree if cfg.agree == "dp" else None
+    cfg = resolved(layer.solver, z0, layer.solver.backward in IMPLICIT_MODES)
+    ctx = SolveContext(consensus=layer.consensus(), state_reduce=layer.shards.state_reduce if layer.state_sharded
+                       else None, agree=layer.dp_agree if cfg.agree == "dp" else None, real=real,
+                       group=layer.entries_per_token)
     if isinstance(plan, Final):
-        if cfg.backward in ("implicit", "neumann1"):
-            return attach_implicit(f, plan.z, cfg, plan.stats, layer.consensus(), reduce, agree)
-        return phantom(f, plan.z, 1 if cfg.backward == "jfb" else cfg.phantom_steps)
+        return differentiable(f, plan.z, cfg, plan.stats, ctx)
     start = (z0 if plan.start is None else plan.start).detach().to(state_dtype(z0.dtype))
-    carry = plan.carry if plan.carry is not None else fresh_carry(z0, cfg)
+    carry = plan.carry if plan.carry is not None else fresh_state(z0, cfg, ctx.group)
     replay = plan.result is not None
-    result = run_loop(f, start, cfg, quantile=cfg.stop_quantile, consensus=layer.consensus(),
-                      state_reduce=reduce, max_iter=plan.result.iterations if replay else plan.cap, real=real,
-                      agree=agree, carry=carry)
+    result = run_loop(f, start, cfg, ctx, quantile=cfg.stop_quantile,
+                      max_iter=plan.result.iterations if replay else plan.cap, carry=carry)
     if replay:
         if result.iterations != plan.result.iterations:
             raise RuntimeError(f"deep supervision: the recomputed window took {result.iterations} iterations, the "
@@ -190,9 +174,8 @@ def deep_supervised_loss(model, tokens: torch.Tensor, targets: torch.Tensor, pad
         z, carry = result.z.detach(), result.carry
         if result.stopped_by != "max_iter" or done >= cap:
             break
-    stats = SolverStats(iterations=done, max_iter=cap, stopped_by=result.stopped_by,
-                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                        final_eta=result.eta, tol=resolved(fp.solver, z).tol, windows=len(windows), window=K)
+    stats = stats_of(result, cap, resolved(fp.solver, z, False).tol)
+    stats.iterations, stats.windows, stats.window = done, len(windows), K
     s = _with_plan(fp, Final(z, stats), lambda: layer(h, 0, None, **kwargs))
     fp.last_stats = stats
     ce = decode(s)

@@ -207,13 +207,6 @@ class EpsilonLayer(LoopedLayer):
         return h + alpha * F.dropout(out, self.dropout, self.training), entry, assign
 
     # -- the loop -------------------------------------------------------------------------------
-    def any_running(self, running: torch.Tensor) -> bool:
-        """Whether a token still runs, agreed over the TP shards (one host read per step)."""
-        flag = running.any().to(torch.int32).view(1)
-        if self.shards.consensus is not None:
-            flag = self.shards.consensus(flag)
-        return bool(flag.item())
-
     def compile_regions(self) -> tuple[str, ...]:
         """What ``train.compile: blocks`` compiles (fpscale.parallel.compile): one step of the loop, the
         block and its halting head, one graph for every step (the step's head comes in as a tensor);
@@ -248,7 +241,7 @@ class EpsilonLayer(LoopedLayer):
             if t == 0 and assign is not None:     # the authors' entropy term: the first step's bins
                 entropy = self.shards.exit(assignment_entropy(assign) / self.n_heads)
             y = y + halting.step(lam, last=t == steps - 1)[..., None] * h
-            if not self.any_running(halting.running):
+            if not halting.any_running(self.shards.consensus):
                 break
         if cache is not None:
             cache["steps"] = self.cache_entries(entries, h, cos, sin, past, pad, real)

@@ -155,7 +155,7 @@ class FPMambaSpec(FixedPointSpec):
         """Whether f never reads its iterate y: no channel mixer (Q = I, so x~ = Q (u - y) + y = u)
         and no y feedback (B, C, Delta see u alone). The layer is then a plain Mamba block, f(0)
         is its exact fixed point, and it applies f once (``fpscale.solvers.solve.apply_once``)
-        whatever ``max_iter`` and ``backward`` say: seed 002's Mamba baseline (configs/125m_mamba)."""
+        whatever ``max_iter`` and ``backward`` say: seed 002's Mamba baseline (configs/125m_mamba.yaml)."""
         return self.mixer == "none" and not self.y_feedback
 
     def validate(self, prefix: str = "") -> None:

@@ -224,8 +224,8 @@ class FPSAttention(FixedPointLayer):
             steps.record(k=keys[0].contiguous())
             return out
 
-        f.after_replay = counter.own       # a CUDA graph's replay hands its outputs back (solvers.chunked)
-        z = self.fixed_point(f, z0, real, steps, on_final=counter.solved)
+        # a CUDA graph's replay hands its outputs back: the counter takes its tensors out (solvers.chunked)
+        z = self.fixed_point(f, z0, real, steps, on_final=counter.solved, after_replay=counter.own)
         self.last_stats = FPSAStats(self.last_stats, counter.result(z),  # type: ignore
                                     n_heads, real, self.head_offset(n_heads) if heads else None)
         if heads:

@@ -135,12 +135,6 @@ class FPSALHAttention(LoopedLayer):
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         return (probs.to(v.dtype) @ v), margin, entropy
 
-    def any_running(self, running: torch.Tensor) -> bool:
-        flag = running.any().to(torch.int32).view(1)
-        if self.shards.consensus is not None:
-            flag = self.shards.consensus(flag)
-        return bool(flag.item())
-
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
@@ -173,7 +167,7 @@ class FPSALHAttention(LoopedLayer):
             u = torch.where(halting.running[..., None], new_u, u)      # a halted pair stays put
             p = halting.step(self.gate(phi), last=k == steps - 1)
             out = out + p[..., None] * u
-            if not self.any_running(halting.running):
+            if not halting.any_running(self.shards.consensus):
                 break
         if cache is not None:
             with torch.no_grad():       # the keys one step after the last: what later steps read

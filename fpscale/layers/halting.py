@@ -68,6 +68,14 @@ class Halting:
         self.probs.append(p)
         return p
 
+    def any_running(self, consensus=None) -> bool:
+        """Whether a token still runs, agreed over the TP shards (``consensus``: their MAX); one host read
+        per step (epsilon's and fpsa_lh's loops)."""
+        flag = self.running.any().to(torch.int32).view(1)
+        if consensus is not None:
+            flag = consensus(flag)
+        return bool(flag.item())
+
     def distribution(self) -> torch.Tensor:
         """P [..., steps taken]: each token's halting distribution (sums to 1 once all halted)."""
         return torch.stack(self.probs, -1)

@@ -6,9 +6,9 @@
 The fixed-point map is one pass, F(s) = pass(a2 s + b2 x~), from s_0 = 0; a1, a2 are learnable in
 (0, 1). The layer returns s* (prelude -> core -> coda: the coda reads the core's state).
 
-Its parameters are stacked over the ``core_blocks`` blocks and used functionally, so the whole
-solve runs inside this module's single forward (ZeRO-3 gathers them once). Decoding caches
-the converged K/V of past tokens for every attention sublayer of the core.
+Its parameters are stacked over the ``core_blocks`` blocks and used functionally (fpscale.layers.stacked,
+shared with ``attractor``), so the whole solve runs inside this module's single forward (ZeRO-3 gathers
+them once). Decoding caches every attention sublayer's K/V of past tokens at every iteration.
 """
 from __future__ import annotations
 
@@ -19,23 +19,9 @@ import torch
 
 from fpscale.errors import check
 from fpscale.layers.attn import heads_and_mlp
-from fpscale.layers.common import (
-    TPSplit,
-    attention_flops,
-    causal_conv,
-    init_linear,
-    mlp_flops,
-    real_tokens,
-    rms_norm,
-    rope_span,
-    self_attention,
-    swiglu,
-    swiglu_hidden,
-    wide,
-)
-from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.common import attention_flops, causal_conv, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache
+from fpscale.layers.stacked import StackedBlocks
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -75,34 +61,15 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-class LoopedCore(FixedPointLayer):
+class LoopedCore(StackedBlocks):
     def __init__(self, cfg, spec, solver):
         super().__init__(solver)
-        d, L = cfg.d_model, spec.core_blocks
-        hidden = swiglu_hidden(d, cfg.mlp_ratio)
-        self.blocks, self.head_dim, self.rope_theta, self.eps = L, d // cfg.n_heads, cfg.rope_theta, cfg.norm_eps
-        out_std = cfg.out_init_std(sublayers=2 * L)
-        self.attn_norm = torch.nn.Parameter(torch.ones(L, d))
-        self.w_qkv = torch.nn.Parameter(torch.empty(L, 3 * d, d))
-        self.w_o = torch.nn.Parameter(torch.empty(L, d, d))
-        self.mlp_norm = torch.nn.Parameter(torch.ones(L, d))
-        self.w_gate = torch.nn.Parameter(torch.empty(L, hidden, d))
-        self.w_up = torch.nn.Parameter(torch.empty(L, hidden, d))
-        self.w_down = torch.nn.Parameter(torch.empty(L, d, hidden))
-        for w in (self.w_qkv, self.w_gate, self.w_up):
-            init_linear(w, cfg.init_std)
-        for w in (self.w_o, self.w_down):
-            init_linear(w, out_std)
+        ins, outs = self.stack(cfg, spec.core_blocks)
+        self.init_fpscale(cfg, ins, outs)
         # shape [1]: DeepSpeed cannot broadcast a 0-dim parameter
         self.a1_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a1_init)]))
         self.a2_logit = torch.nn.Parameter(torch.tensor([_logit(spec.a2_init)]))
-        self.conv_w = torch.nn.Parameter(torch.zeros(d, 1, CONV_WIDTH)) if spec.conv else None
-
-    def tp_plan(self) -> dict[str, TPSplit]:
-        """Per stacked sublayer (dim 0 is the sublayer): heads and MLP hidden units; the norms,
-        a1, a2 and the conv stay whole."""
-        return {"w_qkv": TPSplit(1, parts=3), "w_o": TPSplit(2), "w_gate": TPSplit(1), "w_up": TPSplit(1),
-                "w_down": TPSplit(2)}
+        self.conv_w = torch.nn.Parameter(torch.zeros(cfg.d_model, 1, CONV_WIDTH)) if spec.conv else None
 
     def scalings(self) -> tuple[torch.Tensor, ...]:
         """(a1, b1, a2, b2) with L = 2 * core_blocks sublayers, in at least float32 (the residual
@@ -112,16 +79,6 @@ class LoopedCore(FixedPointLayer):
         b2 = 1 - a2 * a1L
         b1 = b2 * (1 - a1) / (1 - a1L)
         return a1, b1, a2, b2
-
-    def attention(self, l: int, z, cos, sin, past: dict | None, pad=None):
-        """Sublayer l's attention; under TP this shard's heads, their outputs summed (z stays whole)."""
-        h = self.shards.enter(rms_norm(z, self.attn_norm[l], self.eps))
-        out, k, v = self_attention(h, self.w_qkv[l], self.w_o[l], self.head_dim, cos, sin, past, pad=pad)
-        return self.shards.exit(out), k, v
-
-    def mlp(self, l: int, z):
-        h = self.shards.enter(rms_norm(z, self.mlp_norm[l], self.eps))
-        return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
     def one_pass(self, z, cos, sin, caches: list | None, collect: list | None = None, pad=None):
         """One pass of the core over the float32 iterate z; the sublayers compute in the weights'
@@ -150,16 +107,8 @@ class LoopedCore(FixedPointLayer):
             s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, None, pad=pad), torch.zeros_like(x),
                                  real)
         else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
-            steps = StepCache(cache)
-
-            def f(s):
-                collected: list = []
-                out = self.one_pass(a2 * s + inject, cos, sin, steps.past_kv(self.blocks), collected, pad)
-                steps.record_kv(collected, x.shape[1])
-                return out
-
-            s = self.fixed_point(f, torch.zeros_like(x), real, steps)
-            steps.store_kv(cache, self.blocks)
+            s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, pad),
+                            torch.zeros_like(x), real, cache)
             if window is not None:
                 cache["conv"] = window.detach()
         return s.to(x.dtype)

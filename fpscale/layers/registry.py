@@ -11,7 +11,7 @@ looped type, which adds the per-layer ``solver`` overrides). It declares
                        needs no split rules of its own
   its FLOPs per token  ``flops(cfg, seq_len)``: (static, per solver iteration), forward, matmuls
 
-The built-in types register in fpscale/models/config.py (one line each); a type defined
+The built-in types register in fpscale/layers/__init__.py (one line each); a type defined
 elsewhere (a user's package, a test) registers with ``register_layer(MySpec)`` before its
 config is loaded:
 

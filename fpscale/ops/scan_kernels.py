@@ -12,7 +12,7 @@ On CPU, the PyTorch scan. Each call records what ran (``fpscale.ops.kernels``: `
 Switches, each ``auto`` (default), ``0`` (never) or ``1`` (required on CUDA where it applies):
 ``FPSCALE_MAMBA_SCAN`` and ``FPSCALE_TRITON_SCAN``. An installed package that fails to import (a
 mamba-ssm or triton built for another CUDA or torch) is an error that names the switch and what
-runs with it at 0, not a silent fallback, as for flash-attn (fpscale.layers.common.wanted_kernel).
+runs with it at 0, not a silent fallback, as for flash-attn (fpscale.ops.attention.wanted_kernel).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1`` before fpscale.ops.scan_triton is first
 imported) ``FPSCALE_TRITON_SCAN=1`` also sends CPU tensors to the Triton scan, so the dispatch and

@@ -45,7 +45,7 @@ spills up to d_state 128 (the other forward configs are unchecked there); the tu
 
 Triton is optional: without it this module imports and ``TRITON_SCAN_ERROR`` says why (None when
 triton is not installed, the exception when it is installed but does not import, as
-``fpscale.layers.common.load_optional``). The kernels run on CUDA tensors; on CPU tensors only under
+``fpscale.ops.attention.load_optional``). The kernels run on CUDA tensors; on CPU tensors only under
 Triton's interpreter, which must be on (``TRITON_INTERPRET=1``) when this module is first imported
 (triton decides per kernel at its definition): ``INTERPRET`` records it. ``fpscale.ops.scan_kernels``
 dispatches to this scan (``FPSCALE_TRITON_SCAN``). The tests hold it to the float64 reference under

@@ -1,10 +1,11 @@
 """Attractor's Anderson variant (``solver.anderson_variant: attractor``) and its whole-sample residual
 (``solver.norm: sample_l2``): the solver jacobfa/Attractor runs (commit fcf045f,
 attractor/models/attractor/solvers.py), as settings of fpscale's one solver loop
-(fpscale.solvers.iterate), so TP consensus, DP agreement, host-read schedules, statistics and the
+(fpscale.solvers.step), so TP consensus, DP agreement, host-read schedules, statistics and the
 implicit backward serve it as they serve every other solve.
 
-What differs from fpscale's default Anderson mixing (``AndersonMixing``, below):
+Both variants are ``mix`` (below): the history a ring of tensors in the loop state, so Anderson runs in
+every execution mode (eager, check_every, compiled chunks). What differs from fpscale's default:
   * lambda is absolute: H = G G^T + lambda I (solvers.py:72-75); fpscale scales it by the Gram's
     mean diagonal
   * the (m + 1) x (m + 1) bordered system is solved in float32 whatever the state's dtype
@@ -12,7 +13,7 @@ What differs from fpscale's default Anderson mixing (``AndersonMixing``, below):
   * the window is a ring of m slots filled in order (pair j in slot j mod m, solvers.py:100-102), so
     the Gram has their row order and a float32 solve rounds as theirs does
   * two plain steps come first: x1 = f(x0), then mixing from the third application on; no stop test
-    reads the first two residuals (solvers.py:49-52, 67-69): ``iterate`` raises min_iter to 3
+    reads the first two residuals (solvers.py:49-52, 67-69): ``min_iterations`` raises min_iter to 3
   * the solve returns the last f(x), not the mixed next iterate (solvers.py:116)
   * a non-finite alpha falls back to the plain step on the ring's last slot, per sample
     (solvers.py:88-93). Deviations: a singular system is not retried with ``lstsq`` (solvers.py:79-85
@@ -22,6 +23,10 @@ What differs from fpscale's default Anderson mixing (``AndersonMixing``, below):
   * beta (solvers.py:95-97) is fpscale's per-sample damping eta: beta F alpha + (1 - beta) X alpha
   * a cap below 3 iterates plainly: their model switches to fixed-point iteration then
     (attractor.py:342-343)
+(``solvers.py:N``, ``attractor.py:N``: lines of their attractor/models/attractor/, not fpscale's files.)
+fpscale's variant is bit for bit the list-based window it was before the history became tensors (issue 47:
+the ring read oldest first); its system is solved with ``solve_ex`` (no host read): a singular one gives a
+non-finite iterate, which the non-finite stop catches, where ``solve`` raised.
 
 ``sample_residual``: ||f(x) - x||_2 / max(||x||_2, 1e-9) over each whole sample, in float32
 (solvers.py:4-9): one number per sample, against the previous iterate x (fpscale's per-token
@@ -48,52 +53,6 @@ def sample_residual(new: torch.Tensor, old: torch.Tensor, real: torch.Tensor | N
     return sq[0] / sq[1].clamp_min(1e-9)
 
 
-class AttractorAnderson:
-    """Type-II Anderson mixing over a ring of ``window`` (x, f(x)) pairs, as Attractor mixes them."""
-
-    returns_last_f = True
-
-    def __init__(self, window: int, lam: float, state_reduce=None, plain_only: bool = False):
-        self.window, self.lam, self.state_reduce, self.plain_only = window, lam, state_reduce, plain_only
-        self.X: torch.Tensor | None = None
-        self.F: torch.Tensor | None = None
-        self.count = 0
-
-    def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        """The next iterate after the pair (z, f(z)); ``eta`` [B] is beta, per sample."""
-        B = z.shape[0]
-        if self.X is None or self.F is None:
-            self.X = z.new_zeros(B, self.window, z[0].numel())
-            self.F = z.new_zeros(B, self.window, z[0].numel())
-        ring_x, ring_f = self.X, self.F
-        slot = self.count % self.window
-        ring_x[:, slot] = z.reshape(B, -1)
-        ring_f[:, slot] = fz.reshape(B, -1)
-        self.count += 1
-        if self.count < PLAIN_STEPS or self.plain_only:
-            return fz.clone()
-        n = min(self.count, self.window)
-        X, F = ring_x[:, :n], ring_f[:, :n]
-        G = F - X
-        gram = torch.bmm(G, G.transpose(1, 2))
-        if self.state_reduce is not None:         # the state is split over ranks: sum the partial Gram
-            gram = self.state_reduce(gram, "sum")
-        H = z.new_zeros(B, n + 1, n + 1)
-        H[:, 0, 1:] = 1.0
-        H[:, 1:, 0] = 1.0
-        H[:, 1:, 1:] = gram + self.lam * torch.eye(n, device=z.device, dtype=z.dtype)[None]
-        rhs = z.new_zeros(B, n + 1, 1)
-        rhs[:, 0] = 1.0
-        sol, _ = torch.linalg.solve_ex(H.float(), rhs.float())
-        alpha = sol.to(z.dtype)[:, 1:n + 1, 0]
-        plain = torch.zeros_like(alpha)
-        plain[:, -1] = 1.0
-        alpha = torch.where(torch.isfinite(alpha).all(dim=-1, keepdim=True), alpha, plain)
-        beta = eta[:, None]
-        mixed = beta * (alpha[..., None] * F).sum(dim=1) + (1.0 - beta) * (alpha[..., None] * X).sum(dim=1)
-        return mixed.view_as(z)
-
-
 def min_iterations(cfg, cap: int) -> int:
     """The applications of f before a convergence stop may fire: ``min_iter`` (the adjoint passes its
     own), at least 3 under the attractor variant (its first two residuals are never tested), clipped
@@ -104,37 +63,68 @@ def min_iterations(cfg, cap: int) -> int:
     return min(floor, cap)
 
 
-class AndersonMixing:
-    """Type-II Anderson mixing per sample over a window of m past (z, f(z)) pairs."""
+def new_history(z: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty rings of ``cfg.anderson`` (x, f(x)) pairs: [rows, m, D] (rows: samples, or tokens with
+    ``decisions: token``: each token its own least-squares problem), and the count of pairs written."""
+    rows = z.shape[0] * (z.shape[1] if cfg.decisions == "token" else 1)
+    ring = z.new_zeros(rows, cfg.anderson, z.numel() // max(rows, 1))
+    return ring, ring.clone(), torch.zeros((), dtype=torch.long, device=z.device)
 
-    def __init__(self, window: int, lam: float, state_reduce=None):
-        self.window, self.lam, self.state_reduce = window, lam, state_reduce
-        self.xs: list[torch.Tensor] = []
-        self.fs: list[torch.Tensor] = []
 
-    def step(self, z: torch.Tensor, fz: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        """``eta``: [B] damping per sample."""
-        self.xs.append(z.flatten(1))
-        self.fs.append(fz.flatten(1))
-        if len(self.xs) > self.window:
-            self.xs.pop(0)
-            self.fs.pop(0)
-        n = len(self.xs)
-        eta = eta[:, None]
-        if n == 1:
-            return (eta * fz.flatten(1) + (1 - eta) * z.flatten(1)).view_as(z)
-        X, F = torch.stack(self.xs, 1), torch.stack(self.fs, 1)          # [B, n, D]
-        G = (F - X).double()
-        B = X.shape[0]
-        H = torch.zeros(B, n + 1, n + 1, dtype=torch.float64, device=z.device)
-        H[:, 0, 1:] = H[:, 1:, 0] = 1
-        gram = G @ G.transpose(1, 2)
-        if self.state_reduce is not None:     # the state is split over ranks: sum the partial Gram
-            gram = self.state_reduce(gram, "sum")
-        scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)[:, None, None]
-        H[:, 1:, 1:] = gram + self.lam * scale * torch.eye(n, dtype=torch.float64, device=z.device)
-        rhs = torch.zeros(B, n + 1, 1, dtype=torch.float64, device=z.device)
-        rhs[:, 0] = 1
-        alpha = torch.linalg.solve(H, rhs)[:, 1:, 0].to(z.dtype)[:, None]   # [B, 1, n]
-        mixed = eta * (alpha @ F)[:, 0] + (1 - eta) * (alpha @ X)[:, 0]
-        return mixed.view_as(z)
+def mix(z, fz, eta, X, F, n, update, cfg, by_token: bool, state_reduce=None, group: int = 1, cap=None):
+    """Type-II Anderson mixing with its history as tensors: the pair (z, f(z)) is written to slot n mod m
+    where ``update`` (a device bool: a chunk's inactive iteration leaves the rings as they were), then
+    alpha solves the bordered least-squares system over the slots written so far (the others get
+    alpha 0: identity rows, so the system of the written slots is the one solved) and
+    z' = eta (F alpha) + (1 - eta) (X alpha), eta per row. Variants (``cfg.anderson_variant``):
+    fpscale: lambda relative to the Gram's mean diagonal, solved in float64, one pair: the damped step.
+    attractor: lambda absolute, solved in float32, the first PLAIN_STEPS - 1 applications (or a cap
+    below 3: ``cap`` a device scalar) plain f(z), a non-finite alpha the plain step on the ring's last
+    written slot. Returns (z', X, F, n). No host read: the same code eager and in a compiled chunk."""
+    m = X.shape[1]
+    rows = X.shape[0]
+    if by_token and group > 1:              # one eta per token, shared by its entries
+        eta = eta.repeat_interleave(group, 1)
+    x, f, beta = z.reshape(rows, -1), fz.reshape(rows, -1), eta.reshape(rows, 1)
+    slots = torch.arange(m, device=z.device)
+    write = ((slots == n % m) & update)[None, :, None]
+    X, F = torch.where(write, x[:, None], X), torch.where(write, f[:, None], F)
+    n = n + (update.long() if isinstance(update, torch.Tensor) else int(update))
+    filled = torch.clamp(n, max=m)
+    valid = slots < filled                                              # [m]
+    attractor = cfg.anderson_variant == "attractor"
+    Xs, Fs = X, F                           # the attractor variant: in ring order, as theirs
+    if not attractor:                       # fpscale: oldest pair first (the order of its window before the ring)
+        order = (torch.clamp(n - m, min=0) + slots) % m
+        Xs, Fs = X.index_select(1, order), F.index_select(1, order)
+    solve_dtype = z.dtype if attractor else torch.float64      # attractor: the Gram in z's dtype, solved in float32
+    G = torch.where(valid[None, :, None], Fs - Xs, 0).to(solve_dtype)
+    gram = G @ G.transpose(1, 2)
+    if state_reduce is not None:             # the state is split over ranks: sum the partial Gram
+        gram = state_reduce(gram, "sum")
+    eye = torch.eye(m, dtype=solve_dtype, device=z.device)
+    lam = torch.tensor(cfg.anderson_lambda, dtype=solve_dtype, device=z.device)
+    if not attractor:
+        lam = lam * (gram.diagonal(dim1=1, dim2=2).sum(-1) / filled).clamp_min(1e-30)[:, None, None]
+    inner = torch.where((valid[:, None] & valid[None, :])[None], gram + lam * eye, eye)
+    border = valid.to(solve_dtype)[None, :].expand(rows, m)
+    H = torch.cat([torch.cat([border.new_zeros(rows, 1), border], 1)[:, None],
+                   torch.cat([border[..., None], inner], 2)], 1)
+    rhs = torch.zeros(rows, m + 1, 1, dtype=solve_dtype, device=z.device)
+    rhs[:, 0] = 1
+    if attractor:
+        H, rhs = H.float(), rhs.float()
+    alpha = torch.linalg.solve_ex(H, rhs)[0][:, 1:, 0].to(z.dtype)        # [rows, m]
+    if attractor:
+        last = (slots == filled - 1).to(z.dtype)[None].expand(rows, m)
+        alpha = torch.where(torch.isfinite(alpha).all(dim=-1, keepdim=True), alpha, last)
+    if attractor:
+        mixed = beta * (alpha[..., None] * F).sum(1) + (1 - beta) * (alpha[..., None] * X).sum(1)
+    else:
+        mixed = beta * (alpha[:, None] @ Fs)[:, 0] + (1 - beta) * (alpha[:, None] @ Xs)[:, 0]
+    if attractor:
+        plain = n < PLAIN_STEPS if cap is None else (n < PLAIN_STEPS) | (cap < PLAIN_STEPS + 1)
+        mixed = torch.where(plain, f, mixed)
+    else:
+        mixed = torch.where(n == 1, beta * f + (1 - beta) * x, mixed)
+    return mixed.view_as(z), X, F, n

@@ -26,19 +26,17 @@ import torch
 
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, _per_token
 from fpscale.solvers.stats import SolverStats
-
-# Experimental, off (issue 39): the adjoint's step as ``torch.func.vjp`` of f at z* (``VjpStep``: f
-# linearised once per chunk) instead of ``torch.autograd.grad`` of the recorded f(z*). dynamo traces it, so
-# a chunked adjoint (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint
-# exactly (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward).
-# Off until measured on a GPU; the Triton scan (CUDA) is not in torch.func's form yet.
-FUNC_VJP = False
+from fpscale.solvers.step import Agree, Consensus, StateReduce
+from fpscale.solvers.step import per_token as _per_token
 
 
 class VjpStep:
-    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``FUNC_VJP``).
+    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``solver.adjoint_step:
+    vjp``) instead of ``torch.autograd.grad`` of the recorded f(z*): dynamo traces it, so a chunked adjoint
+    (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
+    (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward, and the
+    Triton scan (CUDA) is not in torch.func's form yet). Off by default until measured on a GPU.
     ``per_chunk`` linearises f once and returns the step for a chunk's K applications
     (fpscale.solvers.chunked calls it at the start of each chunk: f runs forward once per chunk, in
     the compiled graph too); called directly (the eager loop), it linearises at every application."""
@@ -99,8 +97,8 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             (vjp,) = torch.autograd.grad(fz, z_in, u, retain_graph=True)
             return (vjp + g) * mask
 
-        if FUNC_VJP:
-            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (the experiment's step)
+        if cfg.adjoint_step == "vjp":
+            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (solver.adjoint_step: vjp)
 
         with torch.no_grad():
             result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,

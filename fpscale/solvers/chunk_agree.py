@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from fpscale.solvers.step import CONVERGED, ETA_MIN, NONFINITE, QUANTILE
+
 
 class EveryIteration:
     """A TP consensus that a chunk applies every iteration (the ranks' flags differ by design)."""
@@ -78,7 +80,7 @@ def differs(consensus, words: torch.Tensor) -> torch.Tensor:
 def first_stop(totals: torch.Tensor, k0: int, cap: torch.Tensor, min_iter: torch.Tensor,
                limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager rule on a chunk's summed counts [K, 3] (iterations k0 + 1 .. k0 + K): whether some
-    iteration stops, the first that does (k*), and its reason (fpscale.solvers.chunked.STOP_REASONS)."""
+    iteration stops, the first that does (k*), and its reason (fpscale.solvers.stats.STOP_REASONS)."""
     K = totals.shape[0]
     ks = torch.arange(k0 + 1, k0 + K + 1, device=totals.device)
     unconverged, movable, bad = totals.unbind(1)
@@ -86,5 +88,5 @@ def first_stop(totals: torch.Tensor, k0: int, cap: torch.Tensor, min_iter: torch
     met = unconverged <= limit
     stop = (ks <= cap) & (bad | ((ks >= min_iter) & (met | (movable == 0))))
     first = stop.long().argmax()                  # the first True (0 when none: masked by ``stopped``)
-    code = torch.where(bad, 4, torch.where(unconverged == 0, 1, torch.where(met, 2, 3)))
+    code = torch.where(bad, NONFINITE, torch.where(unconverged == 0, CONVERGED, torch.where(met, QUANTILE, ETA_MIN)))
     return stop.any(), ks[first], code[first]

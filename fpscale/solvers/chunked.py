@@ -1,138 +1,107 @@
-"""``solver.chunk: K``: the fixed-point loop as chunks of K iterations, every decision a device mask.
+"""The solver's loop: chunks of iterations of the one step (fpscale.solvers.step), read once per chunk.
 
-The PyTorch loop (fpscale.solvers.iterate) decides on the host when to stop; here a chunk runs K
-iterations of the same loop (its ``_observe``, damped step and retirement: ``decisions`` token or
-sample) with no host read inside: the stop, ``min_iter``, the freezing and the prefix rule's
-retirement, the damping and patience (Algorithm 1) and the quantile test are tensors, and the
-solve's state carries a device flag ``running``. An iteration the eager loop would not have run (after the stop,
-past the cap) applies f and then leaves every sample and token as it was (``torch.where``), so the
-iterate, the damping, the residuals, the frozen tokens, ``retired_at``, the iteration count and the
-stop reason are the eager loop's, and so are the gradients (the unroll backward differentiates through the
-selects: the branch not taken gets a zero gradient). The count is not rounded up to the chunk:
-what is wasted is at most K - 1 applications of f after the stop (under ``agree: dp`` up to 2K - 1, once
+Every execution mode runs ``step.advance``; they differ in how many iterations a chunk holds, whether
+the stop rule is tested at each of them, and whether the chunk is compiled:
+
+  mode                 chunk               stop tested              host reads          runs
+  eager (default)      1 iteration         every iteration          every iteration     eager
+  check_every: N       N (the last cut     at the chunk's last      every N and the cap eager
+                       at the cap)         iteration (N, 2N, .., cap)
+  no rule can fire     the cap             at the cap               once                eager
+  (tol 0, no eta_min stop within the cap: ``read_schedule``)
+  chunk: K             K                   every iteration          every K             compiled where it traces
+  bookkeeping: fused   fpscale.solvers.fused's kernels stand in for the bookkeeping (the read schedules above)
+
+A chunk's iterations after a stop, or past the cap, apply f and leave every sample and token as it was
+(``torch.where``), so the iterate, damping, residuals, frozen tokens, ``retired_at``, the iteration count
+and the stop reason are those of the eager loop in every mode, and so are the gradients (the unroll
+backward differentiates through the selects). A compiled chunk keeps K fixed (no recompilation at the
+cap): at most K - 1 applications of f after the stop are wasted (under ``agree: dp`` up to 2K - 1, once
 per solve: the replay). After each chunk the host reads one small tensor [running, iterations, stop
-reason, TP flags differ, DP k*] (one synchronisation per chunk).
+reason, TP flags differ, DP k*].
 
-Agreement with the other ranks is once per chunk (fpscale.solvers.chunk_agree): under ``agree: dp`` the
-chunk runs with the stop off except the cap, records its local counts [K, 3], and one SUM all-reduce
-after it gives the first stopping iteration k*, to which the chunk is replayed from its start where it
-ran past it (the same graph: the eager loop's state at k*); under TP the ranks' stop flags, the same
-on every rank, are checked once per chunk (one MAX all-reduce of the packed flags; an error naming
-``solver.chunk`` if they differ) instead of a MAX every iteration; fpsa's heads (``halting: head``), whose
-ranks hold different entries of a token, agree every iteration inside the chunk (``EveryIteration``).
-One host read per chunk either way; the replay adds none.
+Agreement with other ranks (fpscale.solvers.chunk_agree): the eager schedules agree every iteration
+(TP: MAX of the flags; DP: SUM of the decision's counts); a ``chunk: K`` solve agrees once per chunk:
+under ``agree: dp`` the chunk runs with the stop off except the cap, records its counts [K, 3], one SUM
+all-reduce after it gives the first stopping iteration k*, to which the chunk is replayed from its
+start where it ran past it; under TP the ranks' flags are checked once per chunk (an error naming
+``solver.chunk`` if they differ), except for a consensus marked ``EveryIteration`` (fpsa's heads).
 
-A chunk is one function of tensors, compiled with ``torch.compile(fullgraph=True, dynamic=False)``
-where it can be traced as one graph: a solve without autograd through the loop (every forward
-solve of the implicit, phantom and jfb backward modes, evaluation), under TP and DP too: the chunk
-holds no collective of the solver's (but fpsa heads' consensus), and f's own (TP's all-reduces, the
-norms' ``state_reduce``) trace as functional collectives (gloo included; tests/parallel/run_tp_model.py
-compiles one). The iteration number, the cap, ``min_iter``, the quantile limit, the DP replay's
-cap and non-finite iteration enter as device scalars, so neither a different iteration count nor a
-different number of chunks (nor training vs evaluation, nor a replay, nor a new closure per forward)
-recompiles (tests/solvers/test_chunked.py, test_chunk_agree.py count it). Elsewhere the same chunk
-runs eager, still with one host read per chunk:
-  unroll       autograd through K unrolled iterations (compiling it would also save every
-               iteration's activations, as the eager unroll does)
-  adjoint      the adjoint's step is ``torch.autograd.grad`` of the recorded f, which dynamo does
-               not trace in one graph: the first such step found untraceable is remembered (by its
-               code) and its chunks run eager from then on, said once
-``solver.cuda_graph`` (CUDA): the compiled chunk with mode reduce-overhead, captured and replayed by
-Inductor's CUDA graph trees (``_replay``; ``check_cuda_graph`` refuses it off CUDA and under TP).
-Not supported (an error naming the combination): Anderson mixing (its history is a host-side list).
-``check_every`` and ``bookkeeping`` do not apply: a chunked solve reads once per chunk and keeps
-its bookkeeping in the traced graph (the compiler fuses it with f).
+A ``chunk: K`` chunk is compiled with ``torch.compile(fullgraph=True, dynamic=False)`` where it traces as
+one graph: a solve without autograd through the loop (the forward solve of implicit, phantom and jfb,
+evaluation, Anderson mixing and ``sample_l2`` included), under TP and DP too. The iteration number, the
+cap, ``min_iter``, the quantile limit and the DP replay's values enter as device scalars: neither a
+different iteration count, nor training vs evaluation, nor a replay recompiles (tests/solvers/
+test_chunked.py, test_chunk_agree.py count it). Elsewhere the chunk runs eager, one host read per chunk:
+  unroll       autograd through K unrolled iterations
+  adjoint      the adjoint's step is ``torch.autograd.grad`` of the recorded f, which dynamo does not trace
+               in one graph: the first step found untraceable is remembered (by its code) and its chunks
+               run eager from then on, said once
+``solver.cuda_graph`` (CUDA): the compiled chunk with mode reduce-overhead (Inductor's CUDA graph trees,
+``_replay``; ``check_cuda_graph`` refuses it off CUDA and under TP).
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 from typing import Callable
 
 import torch
 
+from fpscale.solvers.anderson import min_iterations
 from fpscale.solvers.chunk_agree import differs, first_stop, pack_flags, words_for
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.iterate import _damped_step, _observe, _per_token, fresh_state, iterate, quantile_limit
-from fpscale.solvers.loop_state import NEVER, Carry, IterateResult, state_dtype
+from fpscale.solvers.fused import fused_wanted, iterate_fused
+from fpscale.solvers.loop_state import NEVER, Carry, IterateResult
+from fpscale.solvers.stats import STOP_REASONS
+from fpscale.solvers.step import MAX_ITER, NONFINITE, SolveContext, advance, start_state, stop_code
+from fpscale.solvers.stop_rule import quantile_limit, read_schedule
 
-STOP_REASONS = ("max_iter", "converged", "quantile", "eta_min", "nonfinite")
+COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
+BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build
 _UNTRACEABLE: set = set()          # code objects of steps that did not trace as one graph
 UNTRACEABLE_WHY: dict[str, str] = {}   # their qualified names -> the compiler's message (the benches record it)
+_COMPILED: dict = {}               # (step code, backend, graphed) -> its compiled chunk
 
 
-def _chunk(step, z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason, k0, cap,
-           min_iter, limit, bad_at, defer, real, prefix, cfg: SolverConfig, K: int, state_reduce, group: int = 1,
-           verify: bool = False, consensus=None):
-    """K iterations of the eager loop from iteration ``k0 + 1``: the loop's own ``_observe``, damped
-    step and retirement (``decisions: token`` or ``sample``), every host decision a mask (``k0``,
-    ``cap``, ``min_iter``, the quantile ``limit`` and ``bad_at`` are device scalars).
-    ``defer`` (``agree: dp``; a Python bool, so a chunk without DP carries none of its ops): no stop but
-    the cap, and no update at iteration ``bad_at`` (a replay's non-finite k*); the decision is taken
-    after the chunk over the DP group (fpscale.solvers.chunk_agree). Returns the state after them,
-    (``defer``) the local counts [K, 3] per iteration and (``verify``, TP) the flags packed as words.
-    ``consensus`` (TP, fpsa's heads: the flags differ by rank) agrees the flags every iteration, as the
-    eager loop does."""
-    by_token, tol = cfg.decisions == "token", cfg.tol
+def _chunk(step, state, k0, cap, min_iter, limit, bad_at, cfg: SolverConfig, K: int, last_only: bool, real, prefix,
+           state_reduce, group: int, consensus, agree, defer: bool, verify: bool, masked: bool = True):
+    """K iterations of ``advance`` from iteration ``k0 + 1`` (``k0``, ``cap``, ``min_iter``, ``limit`` and
+    ``bad_at`` device scalars). ``last_only``: the stop is tested at the chunk's last iteration only
+    (check_every). ``defer`` (``agree: dp`` in a chunk): no stop but the cap, the local counts [K, 3]
+    recorded for the agreement after the chunk; ``verify`` (TP): the flags packed as words; ``masked``
+    False: the eager loop's chunk of one (``step.advance``). Returns (state, counts or None, words or None)."""
     if hasattr(step, "per_chunk"):          # a step that prepares once per chunk (backward.VjpStep)
         step = step.per_chunk()
+    ctx = SolveContext(state_reduce=state_reduce, real=real, prefix=prefix, group=group)
     rows = []
     W = words_for(K) if verify else 0
-    words = [torch.zeros(best.shape, dtype=torch.long, device=z.device) for _ in range(W)]
-    nonfinite_words = [torch.zeros((), dtype=torch.long, device=z.device) for _ in range(W)]
+    words = [torch.zeros(state.best.shape, dtype=torch.long, device=state.z.device) for _ in range(W)]
+    nonfinite_words = [torch.zeros((), dtype=torch.long, device=state.z.device) for _ in range(W)]
     for i in range(K):
-        k = k0 + (i + 1)
-        active = running & (k <= cap)
-        fz, res, counts, new_best, new_left, next_eta = _observe(
-            step, z, i + 1, cfg, frozen, token_res, real, best, patience_left, eta, consensus, state_reduce, None,
-            group)
+        state, counts, active = advance(step, state, k0 + (i + 1), i == 0, cfg, ctx, cap=cap, min_iter=min_iter,
+                                        limit=limit, test=(i == K - 1) if last_only else True, consensus=consensus,
+                                        agree=agree, bad_at=bad_at if defer else None, masked=masked)
         with torch.no_grad():
-            n_unconverged, movable = counts.sums()
-            nonfinite = counts.nonfinite
-            # the eager loop breaks before the update on a non-finite residual (under DP: on any rank's)
-            update = active & ((k != bad_at) if defer else ~nonfinite)
-            best = torch.where(active, new_best, best)
-            patience_left = torch.where(active, new_left, patience_left)
             if defer:
-                rows.append(torch.stack([n_unconverged, movable, nonfinite.long()]) * active)
+                rows.append(torch.stack([*counts.sums(), counts.nonfinite.long()]) * active)
             if verify:
                 pack_flags(words, nonfinite_words, counts.flags, i, active)
-        z_next = _damped_step(z, fz, eta, None, by_token, group)
-        if by_token or cfg.freeze_converged:
-            z_next = torch.where(_per_token(frozen, z), z, z_next)
-        z = torch.where(update, z_next, z)
-        with torch.no_grad():
-            if by_token or cfg.freeze_converged:
-                newly, prefix_done = counts.retire(res, tol, k, prefix, group)
-                frozen = torch.where(update, frozen | newly, frozen)
-                retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
-            token_res = torch.where(update, res.to(token_res.dtype), token_res)
-            eta = torch.where(update, next_eta, eta)
-            iters = torch.where(active, k, iters)
-            if not defer:
-                met, stalled = n_unconverged <= limit, movable == 0
-                stop = active & (nonfinite | ((k >= min_iter) & (met | stalled)))
-                code = torch.where(nonfinite, 4, torch.where(n_unconverged == 0, 1, torch.where(met, 2, 3)))
-                reason = torch.where(stop, code, reason)
-                running = running & ~stop
     packed = torch.cat([torch.stack(nonfinite_words), torch.stack(words).flatten()]) if verify else None
-    counted = torch.stack(rows) if defer else None
-    return (z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason), counted, packed
-
-
-_COMPILED: dict = {}               # step code -> its compiled chunk
+    if not masked:                # the eager loop: the host reads the decision's numbers (``stop_code``)
+        n_unconverged, movable = counts.sums()
+        return state, torch.stack([n_unconverged, n_unconverged <= limit, movable == 0, counts.nonfinite]), packed
+    return state, (torch.stack(rows) if defer else None), packed
 
 
 def _compiled_chunk(code, graphed: bool = False) -> Callable:
-    """The chunk compiled for the steps of one code object (a layer type's closure): a copy of
-    ``_chunk`` with its own code object, so each layer type has its own cache of graphs (dynamo's
-    recompile limit counts per code object: the layer types of one model, in training and
-    evaluation, would otherwise share one limit of 8). ``graphed`` (``solver.cuda_graph``): compiled
-    with mode reduce-overhead, Inductor's CUDA graph trees (the graph captured per geometry and dtype,
-    the inputs that are not parameters copied into its static buffers at each replay)."""
+    """The chunk compiled for the steps of one code object (a layer type's closure): a copy of ``_chunk``
+    with its own code object, so each layer type has its own cache of graphs (dynamo's recompile limit
+    counts per code object). ``graphed`` (``solver.cuda_graph``): mode reduce-overhead, CUDA graph trees."""
     if (code, BACKEND, graphed) not in _COMPILED:
         own = types.FunctionType(_chunk.__code__.replace(), _chunk.__globals__, "_chunk", _chunk.__defaults__)
-        if graphed:          # Inductor's CUDA graph trees
+        if graphed:         # Inductor's CUDA graph trees
             _COMPILED[code, BACKEND, graphed] = torch.compile(own, fullgraph=True, dynamic=False,
                                                               mode="reduce-overhead")
         else:
@@ -140,17 +109,16 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
     return _COMPILED[code, BACKEND, graphed]
 
 
-def _replay(compiled: Callable, args: tuple):
-    """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's
-    outputs may be overwritten), so what the solve keeps is cloned out of the graph's pool; a step
-    that keeps tensors of its own across calls (fpsa's entry counter) takes them out with its
-    ``after_replay``."""
+def _replay(compiled: Callable, args: tuple, after: Callable[[], None] | None = None):
+    """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's outputs
+    may be overwritten), so what the solve keeps is cloned out of the graph's pool; ``after``
+    (``SolveContext.after_replay``: fpsa's entry counter) takes out the tensors a step keeps across calls."""
     torch.compiler.cudagraph_mark_step_begin()
     state, counts, words = compiled(*args)
-    own = getattr(args[0], "after_replay", None)
-    if own is not None:
-        own()
-    return tuple(t.clone() for t in state), *(None if t is None else t.clone() for t in (counts, words))
+    if after is not None:
+        after()
+    return (type(state)(*(None if t is None else t.clone() for t in state)),
+            *(None if t is None else t.clone() for t in (counts, words)))
 
 
 _TP_CAPTURE = ("the chunk would capture f's collectives (not yet checked); set solver.cuda_graph: false or "
@@ -175,77 +143,60 @@ def check_cuda_graphs(model: torch.nn.Module, device, tp: int = 1) -> None:
             check_cuda_graph(module.solver, device, tp, where=f" ({name})")
 
 
-COMPILE = True      # False: every chunk runs eager (the same function; tests of the semantics skip Inductor)
-BACKEND = "inductor"   # tests counting graph breaks and recompilations (dynamo's) use aot_eager: no C++ build
-
-
-CHUNKED_NORMS = ("inf", "l2")      # the per-token norms of iterate.token_residual
-
-
-def check_chunked(cfg: SolverConfig) -> None:
-    """The combinations a chunk does not implement, refused by name (not run differently)."""
-    norm = getattr(cfg, "norm", "inf")
-    if norm not in CHUNKED_NORMS:
-        raise ValueError(f"solver.chunk = {cfg.chunk} with solver.norm = {norm}: the chunked loop implements the "
-                         f"per-token norms {', '.join(CHUNKED_NORMS)}; set solver.chunk: 0 for {norm}")
-    if cfg.anderson:
-        raise ValueError(f"solver.chunk = {cfg.chunk} with solver.anderson = {cfg.anderson}: Anderson mixing keeps "
-                         "its history on the host and is not chunked; set solver.chunk: 0 or solver.anderson: 0")
-
-
-def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
-             quantile: float, consensus=None, state_reduce=None, max_iter: int | None = None, real=None,
-             agree=None, carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
-    """The solver's loop as ``cfg.chunk`` says: ``iterate`` (0, the default) or ``iterate_chunked``.
-    The callers of the loop (the forward solve, the adjoint, deep supervision's windows) call this."""
-    if not cfg.chunk:
-        return iterate(step, z0, cfg, quantile=quantile, consensus=consensus, state_reduce=state_reduce,
-                       max_iter=max_iter, real=real, agree=agree, carry=carry, min_iter=min_iter, prefix=prefix,
-                       group=group)
+def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
+             context: SolveContext | None = None, *, quantile: float, carry: Carry | None = None,
+             chunk: int | None = None, **fields) -> IterateResult:
+    """Iterate ``step`` from ``z0`` in the schedule ``cfg`` names (module docstring): the forward solve, the
+    adjoint and deep supervision's windows call this. ``context`` (or its fields as keywords: consensus,
+    state_reduce, agree, real, prefix, group, min_iter, max_iter) is the call's ``SolveContext``;
+    ``quantile`` the stop quantile p (at most floor(p B) samples stay unconverged); ``carry`` a previous
+    call's ``IterateResult.carry`` to go on from; ``chunk`` overrides ``cfg.chunk`` (0: the eager schedules).
+    Gradients flow through the loop only if grad mode is on (the unroll backward)."""
+    ctx = dataclasses.replace(context or SolveContext(), **fields)
+    cap = cfg.max_iter if ctx.max_iter is None else ctx.max_iter
+    agree, consensus = ctx.agree, ctx.consensus
     limit = quantile_limit(quantile, z0.shape[0] * (agree.size if agree is not None else 1))
-    return iterate_chunked(step, z0, cfg, limit=limit, consensus=consensus, state_reduce=state_reduce,
-                           max_iter=cfg.max_iter if max_iter is None else max_iter, real=real, agree=agree,
-                           carry=carry, min_iter=min_iter, prefix=prefix, group=group)
+    low = max(ctx.min_iter, min_iterations(cfg, cap))        # the caller's (decoding) and the config's
+    K = cfg.chunk if chunk is None else chunk
+    if not K and carry is None and ctx.group == 1 and fused_wanted(cfg, z0):
+        return iterate_fused(step, z0, cfg, every=read_schedule(cfg, cap), limit=limit, consensus=consensus,
+                             state_reduce=ctx.state_reduce, max_iter=cap, real=ctx.real, agree=agree,
+                             min_iter=low, prefix=ctx.prefix)
+    dev = z0.device
 
+    def scalar(value: int) -> torch.Tensor:
+        return torch.full((), value, dtype=torch.long, device=dev)
 
-def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
-                    limit: int, consensus=None, state_reduce=None, max_iter: int, real=None, agree=None,
-                    carry: Carry | None = None, min_iter: int = 0, prefix=None, group: int = 1) -> IterateResult:
-    """``fpscale.solvers.iterate.iterate`` in chunks of ``cfg.chunk`` iterations (module docstring)."""
-    check_chunked(cfg)
-    min_iter = max(min_iter, getattr(cfg, "min_iter", 0))      # solver.min_iter where the config has it
-    K, dev = cfg.chunk, z0.device
-    z = z0.to(state_dtype(z0.dtype))
-    start = carry if carry is not None else fresh_state(z0, cfg, group)
-
-    def scalar(value: int, dtype=torch.long) -> torch.Tensor:
-        return torch.full((), value, dtype=dtype, device=dev)
-
-    retired_at = torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev)
-    state = (z, start.eta, start.best, start.patience_left, start.frozen, start.token_res, retired_at,
-             scalar(1, torch.bool), scalar(0), scalar(0))
-    # the cap, min_iter and the quantile limit as device scalars: training, evaluation and decoding share a graph
-    cap, low, lim, never = scalar(max_iter), scalar(min_iter), scalar(limit), scalar(NEVER)
-    # TP: the flags are checked once per chunk, except where the layer says its ranks hold different entries
-    # of a unit (fpsa's heads: a token's flags are the MAX over its heads on every rank, each iteration)
-    per_iteration = consensus if getattr(consensus, "every_iteration", False) else None
-    defer, verify = agree is not None, consensus is not None and per_iteration is None
+    state = start_state(z0, cfg, ctx.group, carry)
+    if K:           # a chunk of K: every iteration tested, agreement once per chunk
+        last_only, fixed = False, True
+        per_iteration = consensus if getattr(consensus, "every_iteration", False) else None
+        defer, verify, agree_each = agree is not None, consensus is not None and per_iteration is None, None
+    else:           # eager / check_every: agreement every iteration
+        K, last_only, fixed = read_schedule(cfg, cap) or cap, True, False
+        per_iteration, defer, verify, agree_each = consensus, False, False, agree
     code = getattr(step, "__code__", None) or getattr(getattr(step, "per_chunk", None), "__code__", None)
-    traced = COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
+    traced = fixed and COMPILE and not torch.is_grad_enabled() and code not in _UNTRACEABLE
     graphed = traced and cfg.cuda_graph
-    if cfg.cuda_graph:                  # the launch's check (check_cuda_graph), at the solve
+    if fixed and cfg.cuda_graph:        # the launch's check (check_cuda_graph), at the solve
         if not z0.is_cuda:
-            check_cuda_graph(cfg, z0.device)
-        if consensus is not None or state_reduce is not None:
+            check_cuda_graph(cfg, dev)
+        if consensus is not None or ctx.state_reduce is not None:
             raise ValueError(f"solver.cuda_graph = true under tensor parallelism: {_TP_CAPTURE}")
+    cap_t, low_t, lim_t, never = scalar(cap), scalar(low), scalar(limit), scalar(NEVER)
+    masked = fixed or K > 1          # the eager loop (a chunk of one, read every iteration) needs no masks
 
-    def run(state, k0: int, cap, bad_at):
+    def run(state, k0: int, length: int, cap_v, bad_at):
         nonlocal traced, graphed
-        args = (step, *state, scalar(k0), cap, low, lim, bad_at, defer, real, prefix, cfg, K,
-                state_reduce, group, verify, per_iteration)
+        # device scalars where the chunk is traced (no recompilation per iteration count), else ints
+        numbers = (scalar(k0), cap_v, low_t, lim_t) if traced or defer else (k0, cap, low, limit)
+        args = (step, state, *numbers, bad_at, cfg, length, last_only, ctx.real, ctx.prefix,
+                ctx.state_reduce, ctx.group, per_iteration, agree_each, defer, verify, masked)
         if traced:
             try:
-                return _replay(_compiled_chunk(code, True), args) if graphed else _compiled_chunk(code)(*args)
+                if graphed:
+                    return _replay(_compiled_chunk(code, True), args, ctx.after_replay)
+                return _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = graphed = False
                 _UNTRACEABLE.add(code)
@@ -257,33 +208,62 @@ def iterate_chunked(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tens
                               "still)", stacklevel=4)
         return _chunk(*args)
 
-    done, n, why = False, max_iter, 0
-    for k0 in range(0, max_iter, K):
+    # chunk_schedule expected: the first read after the chunks covering the expected iterations (not under a
+    # deferred DP agreement, whose replay needs a read per chunk)
+    ahead = -(-min(ctx.expect, cap) // K) if fixed and not defer and ctx.expect else 1
+    done, n, why, k0 = False, cap, MAX_ITER, 0
+    while k0 < cap:
+        length = K if fixed else min(K, cap - k0)
         begin = state
-        state, counts, words = run(state, k0, cap, never)
-        running, iters, reason = state[7:]
+        state, counts, words = run(state, k0, length, cap_t, never)
         with torch.no_grad():
-            mismatch = differs(consensus, words) if verify else running               # TP: one all-reduce
-            if defer:                                                               # DP: one all-reduce
-                stopped, kstar, reason = first_stop(agree(counts), k0, cap, low, lim)
+            mismatch = differs(consensus, words) if verify else state.running
+        while ahead > 1 and k0 + length < cap:       # more chunks before the read (no read between them)
+            ahead, k0 = ahead - 1, k0 + length
+            state, counts, words = run(state, k0, length, cap_t, never)
+            if verify:
+                with torch.no_grad():
+                    mismatch = mismatch | differs(consensus, words)
+        ahead = 1
+        if not masked:               # the eager loop: one read of the decision, the rule applied on the host
+            with torch.no_grad():
+                unconverged, met, stalled, bad_now = counts.tolist()
+            n = k0 + length
+            code = stop_code(bool(bad_now), unconverged, bool(met), bool(stalled), n >= low)
+            if code is not None:
+                if code == NONFINITE:
+                    state = begin        # the last finite iterate
+                why, done = code, True
+                break
+            k0 += length
+            continue
+        with torch.no_grad():
+            if defer and agree is not None:                                 # DP: one all-reduce
+                stopped, kstar, reason = first_stop(agree(counts), k0, cap_t, low_t, lim_t)
                 running = ~stopped
             else:
-                kstar = iters
-            alive, n, why, bad, k_star = torch.stack([running.long(), iters, reason, mismatch.long(), kstar]).tolist()
-        if verify and bad:                                                          # (the chunk's one read)
+                running, kstar, reason = state.running, state.iters, state.reason
+            alive, n, why, bad, k_star = torch.stack([running.long(), state.iters, reason, mismatch.long(),
+                                                      kstar]).tolist()     # the chunk's one read
+        if verify and bad:
             raise RuntimeError(f"solver.chunk = {K} under tensor parallelism: the ranks of a TP group saw different "
                                f"stop flags in iterations {k0 + 1}..{k0 + K} (a collective or a step that is not "
                                "bitwise the same on every rank); the chunk agrees once per chunk and needs them "
                                "equal: set solver.chunk: 0 (the eager loop agrees every iteration)")
         if defer and not alive:      # the DP group stops at k*: the state there, replayed where the chunk ran past it
-            if k_star < n or why == 4:
-                state, _, _ = run(begin, k0, scalar(k_star), scalar(k_star) if why == 4 else never)
+            if k_star < n or why == NONFINITE:
+                state, _, _ = run(begin, k0, length, scalar(k_star), scalar(k_star) if why == NONFINITE else never)
             n, done = k_star, True
             break
         if not alive:
             done = True
             break
-    z, eta, best, patience_left, frozen, token_res, retired_at = state[:7]
-    return IterateResult(z=z, iterations=n, stopped_by=STOP_REASONS[why] if done else "max_iter",
-                         token_res=token_res, token_converged=token_res < cfg.tol, eta=eta,
-                         carry=Carry(eta, best, patience_left, frozen, token_res), retired_at=retired_at)
+        k0 += length
+    stopped_by = STOP_REASONS[why] if done else "max_iter"
+    z = state.z
+    if state.last_f is not None and stopped_by != "nonfinite" and n > 0:
+        z = state.last_f             # Attractor's solve returns the last f(x) (fpscale.solvers.anderson)
+    return IterateResult(z=z, iterations=n, stopped_by=stopped_by, token_res=state.token_res,
+                         token_converged=state.token_res < cfg.tol, eta=state.eta,
+                         carry=Carry(state.eta, state.best, state.patience_left, state.frozen, state.token_res),
+                         retired_at=state.retired_at)

@@ -25,7 +25,7 @@ class SolverConfig:
                          residual per sample, ||f(z) - z||_2 / ||z||_2 over the whole sample (every
                          token and channel), in float32 against the previous iterate z, as
                          jacobfa/Attractor does (attractor/models/attractor/solvers.py:4-9);
-                         fpscale.solvers.sample_residual
+                         fpscale.solvers.anderson.sample_residual
       min_iter           no convergence (quantile) stop before this many applications of f (the
                          non-finite stop still applies); clipped to the cap, as Attractor does
                          (attractor.py:340)
@@ -86,6 +86,10 @@ class SolverConfig:
                          or fpsa's (token, head)) whose residual fell below backward_tol is frozen,
                          as the forward's ``freeze_converged`` freezes (seed 000, App. C.3). Off: the
                          adjoint updates every entry until it stops
+      adjoint_step       grad (default) | vjp: the implicit adjoint's step as ``torch.autograd.grad`` of the
+                         recorded f(z*) (eager: dynamo does not trace it) or as ``torch.func.vjp`` of f at z*,
+                         linearised once per chunk, which a chunked adjoint compiles (fpscale.solvers.backward.
+                         VjpStep; not with the CUDA Triton scan: fpmamba on a GPU). Not yet measured on a GPU
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
                          tol 0 (a fixed depth: none converges) only non-finite samples are masked
     Speed:
@@ -97,6 +101,12 @@ class SolverConfig:
                          device mask, one host read per chunk, each chunk compiled as one graph where
                          it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
                          above (check_every, bookkeeping)
+      chunk_schedule     fixed (default) | expected: with ``chunk`` > 0, when the host reads. fixed: after
+                         every chunk. expected: a layer's solve launches the chunks that cover the iterations
+                         its previous solve took before its first read, then reads after each chunk; with a
+                         small chunk (1 or 2: one compiled graph of that many iterations) a solve computes
+                         no masked iteration after its stop unless it stops earlier than the last one, and
+                         still reads about once (not under ``agree: dp``, which reads every chunk)
       cuda_graph         with ``chunk`` > 0, on CUDA: each compiled chunk is captured as a CUDA graph and
                          replayed (torch.compile mode reduce-overhead: CUDA graph trees, static buffers per
                          geometry and dtype), so a chunk of K iterations is one graph launch. Needs a traced
@@ -134,10 +144,12 @@ class SolverConfig:
     backward_tol: float = 1e-4
     backward_min_iter: int = 0
     backward_freeze: bool = False
+    adjoint_step: Literal["grad", "vjp"] = "grad"
     mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
     chunk: int = 0
+    chunk_schedule: Literal["fixed", "expected"] = "fixed"
     cuda_graph: bool = False
 
     def validate(self, prefix: str = "") -> None:
@@ -183,13 +195,17 @@ class SolverConfig:
               "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
               "PyTorch bookkeeping: use auto or torch")
         check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
-        check(not (self.chunk and self.anderson), key("chunk"),
-              f"= {self.chunk} does not chunk Anderson mixing (anderson = {self.anderson}): set one of them to 0")
+        check(self.chunk_schedule in ("fixed", "expected"), key("chunk_schedule"),
+              f"must be fixed (a read after every chunk) or expected (the first read after the layer's previous "
+              f"solve's iterations), got {self.chunk_schedule!r}")
         check(not self.cuda_graph or self.chunk > 0, key("cuda_graph"),
               "captures the compiled chunk: it needs solver.chunk > 0 (K iterations per graph), got chunk = 0")
         check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),
               "needs a traced chunk; backward unroll's training solve runs under autograd (not traced, not "
               "captured): use backward implicit, phantom or jfb, or cuda_graph false")
+        check(self.adjoint_step in ("grad", "vjp"), key("adjoint_step"),
+              f"must be grad (autograd.grad of the recorded f) or vjp (torch.func.vjp: a chunked adjoint "
+              f"compiles), got {self.adjoint_step!r}")
         check(self.eval_output in ("step", "iterate"), key("eval_output"),
               f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
               f"(the last iterate z*), got {self.eval_output!r}")

@@ -40,12 +40,12 @@ another order than ``torch.linalg.vector_norm``: residuals agree to rounding the
 with the inf norm. The update is launched without FMA contraction (``enable_fp_fusion=False``) so
 that on a GPU it rounds as PyTorch's separate mul and add do.
 
-Where it runs (``fpscale.solvers.iterate.fused_wanted``): ``auto`` (default) on CUDA tensors when
+Where it runs (``fused_wanted``): ``auto`` (default) on CUDA tensors when
 Triton imports, for every solve without autograd through the loop (the forward solve of the
 implicit, phantom and jfb backward modes, every adjoint solve, evaluation); the unroll backward's
 training solve and Anderson mixing keep the PyTorch loop. ``fused`` requires it (on CPU only under
 ``TRITON_INTERPRET=1``, set before this module is first imported: Triton decides per kernel at its
-definition); ``torch`` never. Block sizes are untuned defaults (not yet run on a GPU).
+definition); ``torch`` never. Block sizes are untuned defaults (run on H200s: docs/gpu.md).
 
     python bench/solver_overhead.py --bookkeeping fused      # kernels per iteration, on CPU via the interpreter
 
@@ -55,7 +55,9 @@ other's kernels.
 """
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -328,6 +330,39 @@ if AVAILABLE:
             tl.store(frozen_ptr + rows, tl.where(alive, newly, frozen).to(tl.int8), mask=rmask)
         tres = tl.load(tres_ptr + rows, mask=rmask, other=0.0)
         tl.store(tres_ptr + rows, tl.where(alive, res, tres), mask=rmask)
+
+
+def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
+    """Whether this solve's bookkeeping runs as fpscale.solvers.fused's kernels (``solver.bookkeeping``):
+    never with Anderson mixing, with autograd through the loop (the unroll backward's training
+    solve) or for an empty state; else ``auto``: on CUDA where Triton imports, ``fused``: always
+    (an error where the kernels cannot run), ``torch``: never."""
+    if cfg.bookkeeping == "torch" or cfg.anderson or torch.is_grad_enabled() or z.numel() == 0:
+        return False
+    if cfg.norm == "sample_l2":      # one residual per sample: the PyTorch bookkeeping (SolverConfig.validate
+        return False                 # rejects bookkeeping: fused with it, naming the key)
+    if cfg.bookkeeping == "auto" and not z.is_cuda:
+        return False
+    if FUSED_ERROR is not None:
+        error = FUSED_ERROR
+        raise RuntimeError(f"solver.bookkeeping = {cfg.bookkeeping}: triton is installed but does not import "
+                           f"({error!r}); reinstall it, or set solver.bookkeeping=torch") from error
+    if cfg.bookkeeping == "fused" and not runnable(z):
+        where = ("triton is not installed (pip install triton)" if not AVAILABLE else
+                 f"its kernels run on CUDA tensors, or on CPU under TRITON_INTERPRET=1 set before "
+                 f"fpscale.solvers.fused is imported; this solve's state is on {z.device}")
+        raise RuntimeError(f"solver.bookkeeping = fused: {where}. Use auto (fused on CUDA) or torch")
+    if not AVAILABLE:
+        _warn_unfused_once()
+        return False
+    return True
+
+
+@functools.cache
+def _warn_unfused_once() -> None:
+    warnings.warn("solver.bookkeeping = auto on CUDA without triton: every solver iteration runs its "
+                  "bookkeeping as about 40 PyTorch kernels beside f (4 fused Triton kernels with triton; "
+                  "bench/solver_overhead.py). pip install triton (a CUDA torch wheel brings it)", stacklevel=3)
 
 
 def runnable(z: torch.Tensor) -> bool:

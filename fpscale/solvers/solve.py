@@ -17,19 +17,18 @@ import torch
 from fpscale.solvers.backward import attach_implicit, phantom
 from fpscale.solvers.chunked import run_loop
 from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
-from fpscale.solvers.iterate import Agree, Consensus, StateReduce, state_dtype
+from fpscale.solvers.loop_state import IterateResult, state_dtype
 from fpscale.solvers.precision import map_dtype, resolvable_tol, tf32_matmuls
 from fpscale.solvers.stats import SolverStats
+from fpscale.solvers.step import SolveContext
 
 
 def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: SolverConfig | None = None,
-          *, training: bool | None = None, consensus: Consensus | None = None,
-          state_reduce: StateReduce | None = None, max_iter: int | None = None,
-          real: torch.Tensor | None = None, iterate_free: bool = False,
-          agree: Agree | None = None, min_iter: int = 0, prefix: torch.Tensor | None = None, group: int = 1,
-          on_final: Callable[[], None] | None = None) -> tuple[torch.Tensor, SolverStats]:
+          context: SolveContext | None = None, *, training: bool | None = None, iterate_free: bool = False,
+          **fields) -> tuple[torch.Tensor, SolverStats]:
     """Solve ``z = f(z)`` from ``z0`` ([batch, tokens, ...]).
 
+    context    the call's fpscale.solvers.step.SolveContext (or its fields as keywords, below):
     training   selects the stop quantile and the cap: ``config.stop_quantile`` and ``max_iter``
                when True, p = 0 and ``eval_max_iter`` otherwise. None means "whether grad mode is on".
     consensus  reduces the stop flags over a process group (all TP ranks must iterate the same
@@ -63,6 +62,8 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     on every rank (raising on one rank would leave its peers waiting in a collective).
     """
     cfg = config or SolverConfig()
+    ctx = dataclasses.replace(context or SolveContext(), **fields)
+    max_iter, on_final = ctx.max_iter, ctx.on_final
     if not isinstance(z0, torch.Tensor) or z0.dim() < 2:
         raise ValueError(f"solve: z0 must be a tensor shaped [batch, tokens, ...], got "
                          f"{tuple(z0.shape) if isinstance(z0, torch.Tensor) else type(z0).__name__}")
@@ -73,26 +74,22 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
     quantile = cfg.stop_quantile if training else 0.0
     grad = torch.is_grad_enabled()
     cap = max_iter or (cfg.max_iter if training else cfg.eval_iterations)
-    # the tolerances the dtype f computes in can reach (backward_tol only where an adjoint runs)
-    dtype, implicit, tf32 = map_dtype(z0), grad and cfg.backward in IMPLICIT_MODES, tf32_matmuls(z0)
-    cfg = dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
+    implicit = grad and cfg.backward in IMPLICIT_MODES
+    cfg = resolved(cfg, z0, implicit)
     if iterate_free:
-        return apply_once(f, z0, cfg, cap, real)
+        return apply_once(f, z0, cfg, cap, ctx.real)
     unroll = grad and cfg.backward == "unroll"
     with torch.enable_grad() if unroll else torch.no_grad():
-        result = run_loop(f, z0 if unroll else z0.detach(), cfg, quantile=quantile, consensus=consensus,
-                          state_reduce=state_reduce, max_iter=cap, real=real, agree=agree,
-                          min_iter=min(min_iter, cap), prefix=prefix, group=group)
-    stats = SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
-                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                        final_eta=result.eta, tol=cfg.tol, retired_at=result.retired_at)
+        result = run_loop(f, z0 if unroll else z0.detach(), cfg, ctx, quantile=quantile, max_iter=cap,
+                          min_iter=min(ctx.min_iter, cap))
+    stats = stats_of(result, cap, cfg.tol)
     z = result.z
     if unroll:
         return z, stats
     if not grad:
-        # One forward value in every mode (DESIGN.md s3): what the grad-mode forward outputs at this
-        # iterate, f(z*) for jfb and f^k(z*) for phantom, unless ``eval_output: iterate``
+        # One forward value in every mode (docs/solver.md, "One forward value in every mode"): what the
+        # grad-mode forward outputs at this iterate, f(z*) for jfb and f^k(z*) for phantom, unless
+        # ``eval_output: iterate``
         steps = cfg.output_steps if cfg.eval_output == "step" else 0
         if on_final is not None:
             on_final()
@@ -100,9 +97,32 @@ def solve(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, config: S
             return (phantom(f, z, steps) if steps else z), stats
     if on_final is not None:
         on_final()
-    if implicit:
-        return attach_implicit(f, z, cfg, stats, consensus, state_reduce, agree), stats
-    return phantom(f, z, cfg.output_steps), stats
+    return differentiable(f, z, cfg, stats, ctx), stats
+
+
+def resolved(cfg: SolverConfig, z0: torch.Tensor, implicit: bool) -> SolverConfig:
+    """``cfg`` with the tolerances the dtype f computes in can reach (fpscale.solvers.precision;
+    ``backward_tol`` only where an adjoint runs: ``implicit``)."""
+    dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
+    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
+        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
+
+
+def stats_of(result: IterateResult, cap: int, tol: float) -> SolverStats:
+    """The statistics of a loop's result (its cap and applied tolerance)."""
+    return SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
+                       sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
+                       final_eta=result.eta, tol=tol, retired_at=result.retired_at)
+
+
+def differentiable(f: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, cfg: SolverConfig,
+                   stats: SolverStats, ctx: SolveContext) -> torch.Tensor:
+    """The grad-mode output at the fixed point z (detached) for ``cfg.backward``: z* with the implicit
+    (or neumann1) adjoint attached, else f^k(z*) (jfb k = 1, phantom ``phantom_steps``). Deep
+    supervision's final window calls this too (fpscale.layers.deep_supervision)."""
+    if cfg.backward in IMPLICIT_MODES:
+        return attach_implicit(f, z, cfg, stats, ctx.consensus, ctx.state_reduce, ctx.agree)
+    return phantom(f, z, cfg.output_steps)
 
 
 def apply_once(f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, cap: int,

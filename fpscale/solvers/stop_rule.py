@@ -1,6 +1,6 @@
 """The stop rule: which residual a unit's convergence test reads (``solver.stop_residual``), the flags a
-TP group agrees on each iteration (``StopFlags``), the host's view of them (``StopDecision``), the quantile
-limit, and when the host reads (``read_schedule``). The loop that applies them is fpscale.solvers.iterate.
+TP group agrees on each iteration (``StopFlags``), the quantile limit, and when the host reads
+(``read_schedule``). The step that applies them is fpscale.solvers.step.
 
 ``solver.stop_residual``:
 
@@ -59,32 +59,6 @@ class StopFlags:
         n = math.prod(shape)
         return cls(nonfinite=packed[0].bool(), unconverged=packed[1:n + 1].bool().view(shape),
                    no_progress=packed[n + 1:].bool().view(shape))
-
-
-@dataclass
-class StopDecision:
-    """The host's view of one iteration's agreed flags, read in the iteration's one sync."""
-    unconverged: int        # samples still unconverged
-    quantile_met: bool      # at most floor(p * B) of them: the quantile rule stops the solve
-    stalled: bool           # no unconverged sample's eta is at or above eta_min: none can move
-    nonfinite: bool         # a residual was not finite on some rank
-
-    @classmethod
-    def read(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
-             nonfinite: torch.Tensor) -> StopDecision:
-        """Bring the four device scalars to the host with one synchronisation."""
-        n, met, stuck, bad = torch.stack([unconverged, quantile_met, stalled, nonfinite]).tolist()
-        return cls(int(n), bool(met), bool(stuck), bool(bad))
-
-
-    @classmethod
-    def read_lagged(cls, unconverged: torch.Tensor, quantile_met: torch.Tensor, stalled: torch.Tensor,
-                    nonfinite: torch.Tensor, first_bad: torch.Tensor) -> tuple[StopDecision, int]:
-        """As ``read``, plus the iteration that first went non-finite since the solve began
-        (remembered on the device between reads), in the same one synchronisation."""
-        n, met, stuck, bad, k = torch.stack([unconverged.long(), quantile_met.long(), stalled.long(),
-                                             nonfinite.long(), first_bad.long()]).tolist()
-        return cls(int(n), bool(met), bool(stuck), bool(bad)), int(k)
 
 
 def quantile_limit(quantile: float, batch: int) -> int:

@@ -13,7 +13,7 @@ eager loop (``solver.chunk: 0``): the same iterations, loss and gradients, so th
 flag check (fpscale.solvers.chunk_agree) stands for the eager loop's consensus of every iteration. Their
 chunks run eager (``chunked.COMPILE`` off: Inductor would take minutes here) except the ``compiled``
 case, whose no-grad forward solve is traced with dynamo (aot_eager backend), collectives of f included.
-``FUNC_VJP=1``: the adjoint experiment (fpscale.solvers.backward.FUNC_VJP) in every case.
+``FUNC_VJP=1``: the adjoint by torch.func (``solver.adjoint_step: vjp``) in every case.
 """
 import copy
 import dataclasses
@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import fpscale  # noqa: E402
-import fpscale.solvers.backward as backward  # noqa: E402
 import fpscale.solvers.chunked as chunked  # noqa: E402
 from fpscale.parallel.layers import unshard  # noqa: E402
 from fpscale.parallel.parallelize import parallelize  # noqa: E402
@@ -182,9 +181,9 @@ def main(out):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (3, 12), generator=g)
     targets = torch.randint(0, 32, (3, 12), generator=g)
-    backward.FUNC_VJP = os.environ.get("FUNC_VJP") == "1"
     only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba (or fpsa,looped) while debugging
     extra = os.environ.get("EXTRA", "").split()   # overrides for every case (solver.bookkeeping=fused)
+    extra += ["solver.adjoint_step=vjp"] if os.environ.get("FUNC_VJP") == "1" else []
     for name, overrides in CASES.items():
         if only and not any(part in name for part in only.split(",")):
             continue

@@ -187,12 +187,12 @@ def test_trainer_refuses_cuda_graph_on_cpu_at_launch(tmp_path):
 
 @pytest.mark.slow
 def test_func_vjp_adjoint_equals_the_recorded_adjoint(monkeypatch):
-    """The experiment's adjoint step (fpscale.solvers.backward.FUNC_VJP: torch.func.vjp of f at z*) gives
-    the recorded adjoint's training step exactly (fpsa, float64, eager chunks; compiled: bench/adjoint_vjp.py)."""
-    import fpscale.solvers.backward as backward
+    """The adjoint step of ``solver.adjoint_step: vjp`` (torch.func.vjp of f at z*) gives the recorded
+    adjoint's training step exactly (fpsa, float64, eager chunks; compiled: bench/adjoint_vjp.py)."""
+    import tests.solvers.test_chunked as test_chunked
     from tests.solvers.test_chunked import step_of
     la, ga, sa, _ = step_of("fpsa", "implicit", 4)
-    monkeypatch.setattr(backward, "FUNC_VJP", True)
+    monkeypatch.setitem(test_chunked.SOLVER, "adjoint_step", "vjp")
     lb, gb, sb, _ = step_of("fpsa", "implicit", 4)
     assert (sb.iterations, sb.backward_iterations) == (sa.iterations, sa.backward_iterations)
     assert torch.equal(lb, la) and all(torch.equal(a, b) for a, b in zip(ga, gb))
