@@ -15,13 +15,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("fpscale", "bench", "tests", "configs", "scripts", "docs", "launch", "data", "experiments")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*\w)" % "|".join(TOPS))
+PATH = re.compile(r"(?<![\w./-])((?:%s)/(?:[\w./*-]|\{[\w.,-]+\})*\w)" % "|".join(TOPS))   # {a,b}: a shell's braces
 LINK = re.compile(r"\]\(([^)#\s]+)")         # a markdown link's target, relative to its page
 DOTTED = re.compile(r"(?<![\w./-])(fpscale(?:\.\w+)+)")
 OUTPUTS = ("runs/", "cache/", "/tmp", "bench/results")        # what runs write, not the repository's
 # named on purpose, not of this repository: an example of a dotted name, a user's data prefix, a peer's file,
 # a key of the rendezvous store, and the old import paths fpscale.models.moved keeps working (with a warning)
 ELSEWHERE = {"fpscale.a.b", "data/web_text_document", "data/word_problem/dataset.py", "fpscale/heartbeat",
+             "scripts/train.py",          # jacobfa/Attractor's trainer (docs/attractor.md, docs/optimizers.md)
              "fpscale.models.fpsa", "fpscale.models.scan_triton", "fpscale.models.common"}
 
 
@@ -40,6 +41,10 @@ def texts():
 
 def path_resolves(path: str) -> bool:
     path = path.rstrip(".")
+    braces = re.search(r"\{([^}]*)\}", path)
+    if braces:                      # configs/125m_{attn,fpsa}.yaml: every expansion resolves
+        return all(path_resolves(path[:braces.start()] + part + path[braces.end():])
+                   for part in braces.group(1).split(","))
     if "*" in path:
         return any(ROOT.glob(path))
     return (ROOT / path).exists()
