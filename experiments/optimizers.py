@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 
-from experiments.common import QUICK_LM, parse_args, plt, save, table, train_lm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # as the other experiments
+
+from experiments.common import QUICK_LM, parse_args, plt, save, table, train_lm  # noqa: E402
 
 MODELS = ("tiny_attn", "tiny_looped", "tiny_fpsa")
 OPTIMIZERS = {"adamw": ["train.optimizer=adamw"], "muon_adamw": ["train.optimizer=muon_adamw"]}
