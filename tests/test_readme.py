@@ -147,3 +147,19 @@ def test_every_documented_python_command_runs_as_written(env, script):
     pages = ", ".join(sorted(set(documented_scripts()[env, script])))
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), \
         f"{env} python {script} --help (documented in {pages}) exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+
+def test_every_results_bullet_names_its_command():
+    """The README's "Results at a glance": a bullet with a figure names the command that measures it (or the page
+    that gives every row's command: docs/experiments.md, docs/benchmarks.md), and that command is a documented
+    script (so test_every_documented_python_command_runs_as_written starts it)."""
+    section = README.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
+    bullets = [b for b in re.split(r"\n\* ", "\n" + section) if b.strip()]
+    assert len(bullets) >= 4
+    scripts = {script for _, script in documented_scripts()}
+    for bullet in bullets:
+        if not re.search(r"\d", bullet):
+            continue
+        named = [w for cmd in INLINE.findall(bullet) for w in cmd.split() if w.endswith(".py")]
+        assert named or re.search(r"docs/(experiments|benchmarks)\.md", bullet), f"no command for: {bullet[:120]}"
+        assert set(named) <= scripts, (named, bullet[:120])
