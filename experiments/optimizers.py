@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 
-from experiments.common import QUICK_LM, parse_args, plt, save, table, train_lm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # as the other experiments
+
+from experiments.common import QUICK_LM, parse_args, plt, save, table, train_lm  # noqa: E402
 
 MODELS = ("tiny_attn", "tiny_looped", "tiny_fpsa")
 # muon_adamw: fpscale's defaults (q/k/v part by part since issue 48); muon_fused: q/k/v as one matrix (the

@@ -17,7 +17,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "run_first: collected first, so a long test starts at once on its own "
+                                       "worker beside the rest instead of lengthening the end of the suite")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("multiprocess") or item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("run_first") is None)     # stable: otherwise as collected

@@ -91,3 +91,75 @@ def test_the_runnable_block_runs_as_written(tmp_path):
             pytest.fail(f"timed out: {line}\n{out[-3000:]}")
         assert proc.returncode == 0, f"{line}\n{out[-3000:]}"
     assert (tmp_path / "runs" / "readme_try" / "exported" / "model.safetensors").is_file()
+
+
+# ---- every documented command, as written (its --help form) -------------------------------------------
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")), "experiments/README.md"]
+FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
+INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+COMMAND = re.compile(r"^((?:[A-Z_]+=\S+\s+)*)(python3?|\.venv/bin/python|deepspeed|torchrun|bash|sbatch)\s+(.*)$")
+
+
+def documented_scripts() -> dict[tuple[str, str], list[str]]:
+    """{(environment prefix, script): the pages} for every command of README.md, docs/*.md and
+    experiments/README.md (fenced lines and inline code, each part of a ``&&`` / ``;`` chain) that starts one
+    of fpscale's scripts (``[VAR=value ...] python|deepspeed|torchrun|bash|sbatch ... path.py|.sh|.sbatch``).
+    Patterns (``bench/*.py``, ``experiments/<name>.py``) and ``python -m`` commands are left out."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        spans = [ln.split("  #")[0].strip() for m in FENCE.finditer(text) for ln in m.group(1).splitlines()]
+        spans += [m.group(1).strip() for m in INLINE.finditer(FENCE.sub("", text))]
+        for span in spans:
+            for part in re.split(r"\s*(?:&&|;|\|)\s*", span):
+                m = COMMAND.match(part)
+                if not m or m.group(3).startswith("-m "):          # python -m pytest FILE: not FILE's entry point
+                    continue
+                script = next((w for w in m.group(3).split() if re.search(r"\.(py|sh|sbatch)$", w)), None)
+                if script and not re.search(r"[*<>]", script):
+                    found.setdefault((m.group(1).strip(), script), []).append(page)
+    return found
+
+
+def test_the_pages_document_scripts():
+    scripts = {script for _, script in documented_scripts()}
+    assert {"launch/pretrain.py", "experiments/optimizers.py", "scripts/quickstart.sh"} <= scripts, scripts
+    assert len(scripts) >= 30
+
+
+@pytest.mark.parametrize("env,script", sorted(documented_scripts()), ids=lambda v: v or "-")
+def test_every_documented_script_exists(env, script):
+    assert (ROOT / script).is_file(), f"{script} (in {', '.join(sorted(set(documented_scripts()[env, script])))}) " \
+                                      "does not exist"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env,script", sorted(k for k in documented_scripts() if k[1].endswith(".py")),
+                         ids=lambda v: v or "-")
+def test_every_documented_python_command_runs_as_written(env, script):
+    """``[VAR=value] python SCRIPT --help`` from the checkout with no PYTHONPATH but the command's own: an entry
+    point that cannot import what it needs (``No module named 'experiments'``) fails here. The --quick runs of
+    the experiments are tests/experiments; the README's runnable block is test_the_runnable_block_runs_as_written."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assigned = dict(a.split("=", 1) for a in env.split())
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**base, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **assigned})
+    pages = ", ".join(sorted(set(documented_scripts()[env, script])))
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), \
+        f"{env} python {script} --help (documented in {pages}) exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+
+def test_every_results_bullet_names_its_command():
+    """The README's "Results at a glance": a bullet with a figure names the command that measures it (or the page
+    that gives every row's command: docs/experiments.md, docs/benchmarks.md), and that command is a documented
+    script (so test_every_documented_python_command_runs_as_written starts it)."""
+    section = README.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
+    bullets = [b for b in re.split(r"\n\* ", "\n" + section) if b.strip()]
+    assert len(bullets) >= 4
+    scripts = {script for _, script in documented_scripts()}
+    for bullet in bullets:
+        if not re.search(r"\d", bullet):
+            continue
+        named = [w for cmd in INLINE.findall(bullet) for w in cmd.split() if w.endswith(".py")]
+        assert named or re.search(r"docs/(experiments|benchmarks)\.md", bullet), f"no command for: {bullet[:120]}"
+        assert set(named) <= scripts, (named, bullet[:120])
