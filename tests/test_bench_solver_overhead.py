@@ -31,8 +31,10 @@ def test_solver_overhead_bench(tmp_path):
         else:
             iters = [r["fwd_iters"]] + ([r["bwd_iters"]] if mode == "implicit" else [])
             assert r["reads_per_step"] == sum(math.ceil(i / 4) for i in iters), r
-    for r in report["op_rows"]:      # the fused bookkeeping: <= 10 kernels an iteration (issue 27)
-        assert r["f_ops_per_iter"] > 0 and 20 < r["solver_ops_torch"] < 80 and 0 < r["solver_ops_fused"] <= 10, r
+    # the fused bookkeeping: <= 10 kernels an iteration (issue 27); the torch step <= 90 aten ops (issue 47's shared
+    # step.advance: 77-87 at d 32, against 69-74 for the four copies it replaced; docs/solver.md)
+    for r in report["op_rows"]:
+        assert r["f_ops_per_iter"] > 0 and 20 < r["solver_ops_torch"] < 90 and 0 < r["solver_ops_fused"] <= 10, r
 
 
 def test_model_and_tokens_go_to_the_gpu_where_cuda_is_available(monkeypatch):
