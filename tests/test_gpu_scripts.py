@@ -59,7 +59,8 @@ def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
     run([sys.executable, "bench/gpu.py", "--quick", "--budget-s", "1e-9", "--out", str(out)], timeout=300)
     result = json.loads(out.read_text())
     assert result["complete"] and result["rows"] == []
-    assert result["skipped"] == ["tiny_attn flash=auto micro=2 compile=auto", "tiny_fpsa flash=auto micro=2 compile=auto"]      # (the fit needs a GPU)
+    assert result["skipped"] == ["tiny_attn flash=auto micro=2 compile=auto",
+                                 "tiny_fpsa flash=auto micro=2 compile=auto"]      # (the fit needs a GPU)
     assert result["fit_rows"] == [{"config": "tiny_fpsa", "iterations": 16, "max_micro_implicit": "needs a GPU",
                                    "max_micro_unroll": "needs a GPU"}]
 
