@@ -143,16 +143,17 @@ def test_ci_measures_the_readme_figure(tmp_path):
 # scripts/quickstart_train.sh's pinned summation order, for the evaluation of its checkpoint
 PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
           "DS_ACCELERATOR": "cpu"}
-DEPTH_COMMAND = ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 .venv/bin/python "
-                 "launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --depths 1,2,4,8,16,32 "
+DEPTH_COMMAND = ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 "
+                 ".venv/bin/python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --depths 1,2,4,8,16,32 "
                  "after bash scripts/quickstart_train.sh")
 
 
 def depth_row(record: dict) -> list[str]:
     """One depth as docs/evaluation.md prints it: depth, loss (4 decimals), ppl and each looped layer's
     mean iterations (2), in layer order."""
-    layers = [record["layers"][name]["iters_mean"] for name in sorted(record["layers"], key=lambda n: int(n.split(".")[1]))]
-    return [str(record["depth"]), f"{record['val_loss']:.4f}", f"{record['val_ppl']:.2f}", *(f"{v:.2f}" for v in layers)]
+    names = sorted(record["layers"], key=lambda n: int(n.split(".")[1]))
+    iters = [f"{record['layers'][name]['iters_mean']:.2f}" for name in names]
+    return [str(record["depth"]), f"{record['val_loss']:.4f}", f"{record['val_ppl']:.2f}", *iters]
 
 
 def documented_depth_table() -> list[list[str]]:
