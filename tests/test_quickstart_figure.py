@@ -144,8 +144,8 @@ def test_ci_measures_the_readme_figure(tmp_path):
 PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
           "DS_ACCELERATOR": "cpu"}
 DEPTH_COMMAND = ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 "
-                 ".venv/bin/python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 --depths 1,2,4,8,16,32 "
-                 "after bash scripts/quickstart_train.sh")
+                 ".venv/bin/python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 "
+                 "--depths 1,2,4,8,16,32 after bash scripts/quickstart_train.sh")
 
 
 def depth_row(record: dict) -> list[str]:
