@@ -12,15 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# One figure on every x86-64 CPU: the kernels' summation order is pinned, not chosen per CPU. At d7d7587 this
-# machine (AMD EPYC, AVX-512) measured 187.60 and another 2-core machine 176.78 (issue 49): MKL, ATen and oneDNN
-# each dispatch on the CPU's instruction set (and MKL on its vendor), and 300 steps of looped solves amplify a
-# last-bit difference into other iteration counts. MKL's conditional numerical reproducibility in its
-# COMPATIBLE branch (the only one it honours on a non-Intel CPU: AVX2 reads as AUTO there, MKL_VERBOSE shows
-# it), ATen's AVX2 kernels and oneDNN at AVX2 run the same code on any CPU with AVX2. Cost: ~2.7x per MKL GEMM,
-# unnoticed in this tiny model's run (5 min with the corpus build). A caller's own setting wins.
-export MKL_CBWR=${MKL_CBWR:-COMPATIBLE} ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2} \
-    ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX2}
+source scripts/pinned_kernels.sh        # one figure on every x86-64 CPU: the kernels' summation order pinned
 PY=${PYTHON:-.venv/bin/python}
 CORPUS=${FPSCALE_CORPUS:-cache/corpus}
 RUNS=${FPSCALE_RUNS:-runs}

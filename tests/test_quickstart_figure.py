@@ -130,9 +130,10 @@ def test_ci_measures_the_readme_figure(tmp_path):
                           "--run", str(tmp_path / "tiny_mixed")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     # docs/evaluation.md's depth table: the same checkpoint swept, ~10 s, with the quickstart's pinned kernels
+    # (launch.run: one thread, CPU)
     checkpoint = tmp_path / "tiny_mixed" / "checkpoints" / "step_00000300"
-    run([sys.executable, "launch/evaluate.py", "--checkpoint", str(checkpoint), "--depths", "1,2,4,8,16,32",
-         "--out", str(tmp_path / "eval")], timeout=600, env=PINNED)
+    run(["bash", "-c", 'source scripts/pinned_kernels.sh && exec "$@"', "pinned", sys.executable, "launch/evaluate.py",
+         "--checkpoint", str(checkpoint), "--depths", "1,2,4,8,16,32", "--out", str(tmp_path / "eval")], timeout=600)
     with open(tmp_path / "eval" / "eval.json") as fh:
         measured = [depth_row(r) for r in json.load(fh)["depths"]]
     stated = documented_depth_table()
@@ -140,12 +141,9 @@ def test_ci_measures_the_readme_figure(tmp_path):
                                 f"checkpoint (re-measure: {DEPTH_COMMAND}):\nstated   {stated}\nmeasured {measured}")
 
 
-# scripts/quickstart_train.sh's pinned summation order, for the evaluation of its checkpoint
-PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
-          "DS_ACCELERATOR": "cpu"}
-DEPTH_COMMAND = ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 "
-                 ".venv/bin/python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 "
-                 "--depths 1,2,4,8,16,32 after bash scripts/quickstart_train.sh")
+DEPTH_COMMAND = ("source scripts/pinned_kernels.sh && OMP_NUM_THREADS=1 .venv/bin/python launch/evaluate.py "
+                 "--checkpoint runs/tiny_mixed/checkpoints/step_00000300 --depths 1,2,4,8,16,32 "
+                 "after bash scripts/quickstart_train.sh")
 
 
 def depth_row(record: dict) -> list[str]:
