@@ -129,3 +129,45 @@ def test_ci_measures_the_readme_figure(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quickstart_check.py"), "--strict",
                           "--run", str(tmp_path / "tiny_mixed")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+    # docs/evaluation.md's depth table: the same checkpoint swept, ~10 s, with the quickstart's pinned kernels
+    checkpoint = tmp_path / "tiny_mixed" / "checkpoints" / "step_00000300"
+    run([sys.executable, "launch/evaluate.py", "--checkpoint", str(checkpoint), "--depths", "1,2,4,8,16,32",
+         "--out", str(tmp_path / "eval")], timeout=600, env=PINNED)
+    with open(tmp_path / "eval" / "eval.json") as fh:
+        measured = [depth_row(r) for r in json.load(fh)["depths"]]
+    stated = documented_depth_table()
+    assert measured == stated, (f"docs/evaluation.md's depth table differs from the sweep of the quickstart's "
+                                f"checkpoint (re-measure: {DEPTH_COMMAND}):\nstated   {stated}\nmeasured {measured}")
+
+
+# scripts/quickstart_train.sh's pinned summation order, for the evaluation of its checkpoint
+PINNED = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
+          "DS_ACCELERATOR": "cpu"}
+DEPTH_COMMAND = ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 "
+                 ".venv/bin/python launch/evaluate.py --checkpoint runs/tiny_mixed/checkpoints/step_00000300 "
+                 "--depths 1,2,4,8,16,32 after bash scripts/quickstart_train.sh")
+
+
+def depth_row(record: dict) -> list[str]:
+    """One depth as docs/evaluation.md prints it: depth, loss (4 decimals), ppl and each looped layer's
+    mean iterations (2), in layer order."""
+    names = sorted(record["layers"], key=lambda n: int(n.split(".")[1]))
+    iters = [f"{record['layers'][name]['iters_mean']:.2f}" for name in names]
+    return [str(record["depth"]), f"{record['val_loss']:.4f}", f"{record['val_ppl']:.2f}", *iters]
+
+
+def documented_depth_table() -> list[list[str]]:
+    """The rows of docs/evaluation.md's depth table (its first six columns; the last is history)."""
+    with open(os.path.join(ROOT, "docs", "evaluation.md")) as fh:
+        text = fh.read()
+    table = text[text.index("| depth | val loss | ppl |"):].split("\n\n")[0].splitlines()[2:]
+    return [[cell.strip() for cell in row.strip("|").split("|")][:6] for row in table]
+
+
+def test_the_depth_table_is_read_as_ci_compares_it():
+    rows = documented_depth_table()
+    assert [r[0] for r in rows] == ["1", "2", "4", "8", "16", "32"] and all(len(r) == 6 for r in rows)
+    record = {"depth": 8, "val_loss": 5.19449, "val_ppl": 180.2801,
+              "layers": {"layers.3.looped": {"iters_mean": 4.0}, "layers.1.fpsa": {"iters_mean": 4.625},
+                         "layers.2.fpmamba": {"iters_mean": 5.75}}}
+    assert depth_row(record) == ["8", "5.1945", "180.28", "4.62", "5.75", "4.00"] == rows[3]

@@ -44,8 +44,13 @@ def bin_assignment(k: torch.Tensor, w_bin: torch.Tensor, prototypes: torch.Tenso
 
 def assignment_entropy(a: torch.Tensor) -> torch.Tensor:
     """Per-key entropy of the bin assignment, summed over heads and averaged over tokens: [ ]
-    (divide by the number of heads for the mean per head)."""
-    return -torch.xlogy(a, a).sum(-1).sum(1).mean()
+    (divide by the number of heads for the mean per head).
+
+    a log a with the log's argument clamped at the dtype's smallest normal: the same value as ``xlogy(a, a)``
+    (0 log 0 = 0) and the same gradient where a > 0, but a finite one where a softmax underflowed to an
+    exact 0: xlogy's derivative in its second argument there is 0 / 0 = NaN, which made every training
+    step of tiny_epsilon non-finite (and skipped) from step 51 on the bundled corpus at e2f0e12."""
+    return -(a * a.clamp_min(torch.finfo(a.dtype).tiny).log()).sum(-1).sum(1).mean()
 
 
 def causal_hqsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, past: dict | None = None,

@@ -29,7 +29,8 @@ the ring read oldest first); its system is solved with ``solve_ex`` (no host rea
 non-finite iterate, which the non-finite stop catches, where ``solve`` raised.
 
 ``sample_residual``: ||f(x) - x||_2 / max(||x||_2, 1e-9) over each whole sample, in float32
-(solvers.py:4-9): one number per sample, against the previous iterate x (fpscale's per-token
+(solvers.py:4-9; a float64 state keeps float64, fpscale's deviation so a float64 reference solve reaches
+float64's resolution, issue 48): one number per sample, against the previous iterate x (fpscale's per-token
 residuals divide by ||f(x)||). Left padding is excluded (``real``); under tensor parallelism with a
 split state the squared sums are completed over the group.
 """
@@ -42,8 +43,10 @@ PLAIN_STEPS = 2         # applications of f before the first mixing (and the fir
 
 def sample_residual(new: torch.Tensor, old: torch.Tensor, real: torch.Tensor | None = None,
                     state_reduce=None) -> torch.Tensor:
-    """[B] relative change of each whole sample, in float32 (Attractor's ``_rel_residual``)."""
-    diff, ref = new.float() - old.float(), old.float()
+    """[B] relative change of each whole sample, in float32 (Attractor's ``_rel_residual``); float64 for
+    a float64 state (theirs casts to float32 whatever the state: a float64 solve would stop at 7e-8)."""
+    dtype = torch.promote_types(new.dtype, torch.float32)
+    diff, ref = new.to(dtype) - old.to(dtype), old.to(dtype)
     if real is not None:
         keep = real.view(*real.shape, *([1] * (new.dim() - 2)))
         diff, ref = diff * keep, ref * keep

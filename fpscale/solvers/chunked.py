@@ -158,7 +158,7 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
     limit = quantile_limit(quantile, z0.shape[0] * (agree.size if agree is not None else 1))
     low = max(ctx.min_iter, min_iterations(cfg, cap))        # the caller's (decoding) and the config's
     K = cfg.chunk if chunk is None else chunk
-    if not K and carry is None and ctx.group == 1 and fused_wanted(cfg, z0):
+    if not K and fused_wanted(cfg, z0, group=ctx.group, carried=carry is not None):
         return iterate_fused(step, z0, cfg, every=read_schedule(cfg, cap), limit=limit, consensus=consensus,
                              state_reduce=ctx.state_reduce, max_iter=cap, real=ctx.real, agree=agree,
                              min_iter=low, prefix=ctx.prefix)

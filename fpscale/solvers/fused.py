@@ -43,9 +43,11 @@ that on a GPU it rounds as PyTorch's separate mul and add do.
 Where it runs (``fused_wanted``): ``auto`` (default) on CUDA tensors when
 Triton imports, for every solve without autograd through the loop (the forward solve of the
 implicit, phantom and jfb backward modes, every adjoint solve, evaluation); the unroll backward's
-training solve and Anderson mixing keep the PyTorch loop. ``fused`` requires it (on CPU only under
-``TRITON_INTERPRET=1``, set before this module is first imported: Triton decides per kernel at its
-definition); ``torch`` never. Block sizes are untuned defaults (run on H200s: docs/gpu.md).
+training solve keeps the PyTorch loop, and so do the features the kernels lack (``unfused_features``:
+Anderson, ``sample_l2``, entry groups, a carried state), with a warning, once per set of features, in
+``auto`` on CUDA and in ``fused`` (which validate() refuses with Anderson or sample_l2). ``fused``
+requires it (on CPU only under ``TRITON_INTERPRET=1``, set before this module is first imported: Triton
+decides per kernel at its definition); ``torch`` never. Block sizes are untuned defaults (run on H200s: docs/gpu.md).
 
     python bench/solver_overhead.py --bookkeeping fused      # kernels per iteration, on CPU via the interpreter
 
@@ -332,16 +334,19 @@ if AVAILABLE:
         tl.store(tres_ptr + rows, tl.where(alive, res, tres), mask=rmask)
 
 
-def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
+def fused_wanted(cfg: SolverConfig, z: torch.Tensor, *, group: int = 1, carried: bool = False) -> bool:
     """Whether this solve's bookkeeping runs as fpscale.solvers.fused's kernels (``solver.bookkeeping``):
-    never with Anderson mixing, with autograd through the loop (the unroll backward's training
-    solve) or for an empty state; else ``auto``: on CUDA where Triton imports, ``fused``: always
-    (an error where the kernels cannot run), ``torch``: never."""
-    if cfg.bookkeeping == "torch" or cfg.anderson or torch.is_grad_enabled() or z.numel() == 0:
+    never with autograd through the loop (the unroll backward's training solve) or for an empty state;
+    never for a feature the kernels lack (``unfused_features``: the PyTorch step runs it, and says so
+    once, loudly, where the kernels would otherwise have run); else ``auto``: on CUDA where Triton
+    imports, ``fused``: always (an error where the kernels cannot run), ``torch``: never."""
+    if cfg.bookkeeping == "torch" or torch.is_grad_enabled() or z.numel() == 0:
         return False
-    if cfg.norm == "sample_l2":      # one residual per sample: the PyTorch bookkeeping (SolverConfig.validate
-        return False                 # rejects bookkeeping: fused with it, naming the key)
     if cfg.bookkeeping == "auto" and not z.is_cuda:
+        return False
+    missing = unfused_features(cfg, group, carried)
+    if missing:       # validate() refuses bookkeeping: fused with anderson / sample_l2, naming the key
+        _warn_fallback_once(cfg.bookkeeping, missing)
         return False
     if FUSED_ERROR is not None:
         error = FUSED_ERROR
@@ -356,6 +361,22 @@ def fused_wanted(cfg: SolverConfig, z: torch.Tensor) -> bool:
         _warn_unfused_once()
         return False
     return True
+
+
+def unfused_features(cfg: SolverConfig, group: int = 1, carried: bool = False) -> tuple[str, ...]:
+    """The features of this solve the kernels do not run (docs/solver.md's mode x feature table)."""
+    return tuple(name for name, on in (
+        (f"solver.anderson = {cfg.anderson}", cfg.anderson > 0),
+        ("solver.norm = sample_l2", cfg.norm == "sample_l2"),
+        (f"entry groups of {group} (fpsa halting: head)", group > 1),
+        ("a carried state (deep supervision's windows)", carried)) if on)
+
+
+@functools.cache
+def _warn_fallback_once(mode: str, missing: tuple[str, ...]) -> None:
+    warnings.warn(f"solver.bookkeeping = {mode}: the fused kernels have no {' / '.join(missing)}; this solve's "
+                  f"bookkeeping runs as the PyTorch step (about 40 kernels an iteration beside f, not 4-5: "
+                  f"bench/solver_overhead.py). Set solver.bookkeeping=torch to silence this", stacklevel=4)
 
 
 @functools.cache

@@ -6,6 +6,10 @@ each is a synchronisation that leaves the device idle while the host waits and t
 again. On a CPU ``.cpu()`` is a no-op, yet it counts: what is counted is what would synchronise
 on a GPU. A read made inside another counted read (``tolist`` calling ``__float__``) counts once.
 
+``count_syncs()`` counts everything that would make the host wait for the device (a training step's
+measure: bench/profile_step.py): the reads above, plus, seen by a dispatch mode, the ops whose output
+size depends on values (``nonzero``, ``masked_select``, ...) and copies from an accelerator to the host.
+
 ``count_aten_ops()`` counts the aten operations dispatched inside it (a TorchDispatchMode), each
 a kernel launch on a GPU (views and metadata included: an upper bound on launches).
 
@@ -16,6 +20,9 @@ the host, and those are not counted.
     with count_host_reads() as reads:
         loss = model(x, targets=y); loss.backward()
     reads.total, reads.by_method
+    with count_syncs() as syncs:
+        trainer.train_step()
+    syncs.total, syncs.by_kind       # {"Tensor.tolist": 1} (the methods) and {"aten.nonzero": ...} (the ops)
 """
 from __future__ import annotations
 
@@ -70,6 +77,55 @@ def count_host_reads() -> Iterator[HostReads]:
         _ACTIVE.remove(reads)
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten.unique",
+            "aten._unique2", "aten.repeat_interleave")
+
+
+class HostSyncs(TorchDispatchMode):
+    """The host-device synchronisations counted inside ``count_syncs()``: ``total`` and ``by_kind``
+    (``Tensor.<method>`` for the reads of ``count_host_reads``, ``aten.<op>`` for what the dispatch sees
+    outside them: a read's own ``_local_scalar_dense`` is not counted twice)."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+        self.ops: Counter = Counter()
+
+    @property
+    def by_kind(self) -> Counter:
+        return Counter({f"Tensor.{name}": n for name, n in self.reads.by_method.items()}) + self.ops
+
+    @property
+    def total(self) -> int:
+        return self.reads.total + sum(self.ops.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"aten.{func.overloadpacket.__name__}"
+        out = func(*args, **(kwargs or {}))
+        if self.reads.depth == 0 and (name in SYNC_OPS or _to_host(name, args, kwargs or {}, out)):
+            self.ops[name] += 1
+        return out
+
+
+def _to_host(name: str, args, kwargs, out) -> bool:
+    """A copy from an accelerator to the host (``x.to("cpu")``, ``cpu_tensor.copy_(cuda_tensor)``)."""
+    if name == "aten._to_copy" and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+        return isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+    if name == "aten.copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+@contextlib.contextmanager
+def count_syncs() -> Iterator[HostSyncs]:
+    """Count what would make the host wait for the device inside the block, on any device: the reads of
+    ``count_host_reads`` at the call (so a CPU run counts what a GPU run would wait for: ``.cpu()`` of a
+    CPU tensor dispatches nothing), and the value-dependent ops and device-to-host copies made outside
+    them. Not thread-safe (it patches ``torch.Tensor``)."""
+    with count_host_reads() as reads, HostSyncs(reads) as mode:
+        yield mode
 
 
 class AtenOps(TorchDispatchMode):

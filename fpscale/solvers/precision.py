@@ -52,9 +52,10 @@ fpscale's precision policy for looped layers (docs/solver.md, "Precision"):
     (the attractor head above bottomed out at 3.0e-7 in fp32, 2.5 eps: a tol between the two runs to the cap).
   * a float64 map keeps its per-token residual in float64 (iterate.py ``token_residual``), so under ``l2``
     its floor is float64's 2 eps (4.4e-16), as under the inf norm (issue 48; it was held at float32's 2.4e-7).
-    ``sample_l2``'s residual is float32 whatever the map (anderson.py ``sample_residual``, as Attractor's
-    solvers.py:5-6 ``_rel_residual``): its floor stays 7.2e-8 for a float64 map, which the residual
-    cannot see below; a float64 residual there is a change to the solver, not to this floor.
+    ``sample_l2``'s residual is float32 for bf16 and float32 maps (anderson.py ``sample_residual``, as
+    Attractor's solvers.py:5-6 ``_rel_residual``) and float64 for a float64 map (fpscale's deviation:
+    theirs casts to float32 and a float64 reference solve stopped at 7.2e-8): its floor there is
+    SAMPLE_L2_FLOOR_EPS float64 eps (1.3e-16).
 """
 from __future__ import annotations
 
@@ -91,15 +92,16 @@ def tf32_matmuls(like: torch.Tensor) -> bool:
 def residual_floor(dtype: torch.dtype, tf32: bool = False, norm: str = "inf") -> float:
     """The smallest relative residual a map computing in ``dtype`` reaches reliably: 2 eps (a
     float32 map whose matmuls run in TF32, ``tf32``: 2 TF32 eps); for ``norm`` sample_l2,
-    SAMPLE_L2_FLOOR_EPS eps, never below float32's (its residual is float32, as Attractor's), and for the
+    SAMPLE_L2_FLOOR_EPS eps, never below float32's for a bf16 or float32 map (its residual is float32
+    there, as Attractor's; float64 for a float64 map), and for the
     per-token l2, L2_FLOOR_EPS eps, never below 2 eps of the residual's dtype (the state's: float64 for a
     float64 map, which thus solves to float64's resolution, as under the inf norm)."""
     if norm in ("sample_l2", "l2"):
         if not dtype.is_floating_point:
             return 0.0
-        # the residual's dtype: sample_l2's is float32 whatever the map's (Attractor's _rel_residual,
-        # fpscale.solvers.anderson.sample_residual); the per-token l2's the state's (float64 for a float64 map)
-        resid = torch.finfo(torch.float32 if norm == "sample_l2" else torch.promote_types(dtype, torch.float32)).eps
+        # the residual's dtype: the state's, at least float32 (sample_l2: Attractor's _rel_residual in float32,
+        # fpscale.solvers.anderson.sample_residual; both norms keep float64 for a float64 map)
+        resid = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
         eps = TF32_EPS if tf32 and dtype == torch.float32 else max(torch.finfo(dtype).eps, resid)
         if norm == "sample_l2":
             return SAMPLE_L2_FLOOR_EPS * eps

@@ -324,7 +324,7 @@ class Trainer:
         t = self.cfg.train
         history: list[dict] = []
         window: dict[str, list] = {}       # SolverStats of the log interval, read at the log step
-        tokens, t_last = 0, time.perf_counter()
+        tokens, t_last, skipped_before, logged_step = 0, time.perf_counter(), self.progress.skipped_steps, self.step
         self.new_interval()
         end = min(t.steps, t.stop_at or t.steps)          # the schedule still runs to train.steps
         if self.step >= end:
@@ -353,6 +353,10 @@ class Trainer:
                           **self.compute_record(layers, tokens_per_s), "kernels": kernels.used(), "layers": layers}
                 self.metrics.log(record)
                 self.metrics.console(self.step, t.steps, record)
+                if self.progress.skipped_steps - skipped_before == self.step - logged_step:     # none applied
+                    logger.warning("steps %d-%d all skipped (non-finite gradient norm; %d of %d so far): the weights "
+                                   "did not change", logged_step + 1, self.step, self.progress.skipped_steps, self.step)
+                skipped_before, logged_step = self.progress.skipped_steps, self.step
                 history.append(record)
                 window, tokens, t_last = {}, 0, now
                 self.new_interval()

@@ -7,7 +7,7 @@ import torch
 import fpscale
 from fpscale.errors import ConfigError
 from fpscale.layers.halting import Halting, geometric_prior, halting_kl
-from fpscale.layers.hqsa import causal_hqsa
+from fpscale.layers.hqsa import assignment_entropy, bin_assignment, causal_hqsa
 from tests.models.helpers import tiny_config
 
 ATTENTION = ["hqsa", "causal"]
@@ -220,3 +220,29 @@ def test_bf16_halts_like_fp32(config, cast):
     assert steps16 == steps32 and steps32 > 1
     assert depth16 == pytest.approx(depth32, rel=0.02) and kl16 == pytest.approx(kl32, rel=0.02)
     assert loss16 == pytest.approx(loss32, rel=0.01)
+
+
+def test_the_bin_entropy_has_a_finite_gradient_where_a_softmax_underflowed_to_zero():
+    """A sharp bin assignment underflows to exact zeros (here a temperature of 1e-3 against logits 1 apart):
+    the entropy is xlogy's value, its gradient xlogy's where every probability is positive, and finite where
+    one is 0 (xlogy's was NaN there: tiny_epsilon's training went non-finite at step 51 on the bundled corpus)."""
+    torch.manual_seed(0)
+    k = 0.05 * torch.randn(2, 4, 8, 16, dtype=torch.float64)
+    w_bin, prototypes = torch.randn(8, 16, dtype=torch.float64), torch.randn(4, 16, 8, dtype=torch.float64)
+    for log_tau, zeros in ((0.0, False), (math.log(1e-3), True)):
+        lt = torch.full((4,), log_tau, dtype=torch.float64)
+        for dtype in (torch.float64, torch.float32):
+            logits = (torch.nn.functional.linear(k, w_bin) @ prototypes.transpose(-1, -2)).to(dtype).requires_grad_()
+            a = torch.softmax(logits / lt.exp().clamp_min(1e-3).view(1, -1, 1, 1).to(dtype), dim=-1)
+            assert bool((a == 0).any()) == zeros
+            ent = assignment_entropy(a)
+            (grad,) = torch.autograd.grad(ent, logits, retain_graph=True)
+            assert torch.isfinite(grad).all()
+            ref = -torch.xlogy(a, a).sum(-1).sum(1).mean()
+            assert ent.item() == pytest.approx(ref.item(), rel=1e-6)
+            (ref_grad,) = torch.autograd.grad(ref, logits)
+            if zeros:
+                assert not torch.isfinite(ref_grad).all()      # what the old formula gave
+            else:
+                torch.testing.assert_close(grad, ref_grad)
+    assert bin_assignment(k, w_bin, prototypes, torch.zeros(4, dtype=torch.float64)).shape == (2, 4, 8, 16)

@@ -98,17 +98,21 @@ def test_a_tolerance_below_the_dtype_floor_is_raised_once_with_a_warning():
 
 
 def test_a_float64_map_solves_to_float64_resolution_under_l2():
-    """Issue 48: the l2 floor follows the map's dtype (float64: 2 float64 eps), so a float64 solve at tol
-    1e-10 is not raised to float32's 2.4e-7 and reaches it; sample_l2's residual is float32 (Attractor's):
-    its floor stays float32's."""
+    """Issue 48: the l2 floors follow the map's dtype (float64: 2 float64 eps per token, 0.6 float64 eps for
+    sample_l2, whose residual is float64 there), so a float64 solve at tol 1e-10 is not raised to float32's
+    2.4e-7 / 7.2e-8 and reaches it, under both norms; a bf16 or float32 map keeps sample_l2's float32
+    residual (Attractor's) and its floor."""
     assert residual_floor(torch.float64, norm="l2") == 2 * torch.finfo(torch.float64).eps
     assert residual_floor(torch.float32, norm="l2") == 2 * torch.finfo(torch.float32).eps
-    assert residual_floor(torch.float64, norm="sample_l2") == pytest.approx(0.6 * torch.finfo(torch.float32).eps)
+    assert residual_floor(torch.float64, norm="sample_l2") == pytest.approx(0.6 * torch.finfo(torch.float64).eps)
+    assert residual_floor(torch.float32, norm="sample_l2") == pytest.approx(0.6 * torch.finfo(torch.float32).eps)
     x = torch.randn(2, 3, 4, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with torch.no_grad():
-            z, stats = solve(lambda z: 0.5 * z + x, torch.zeros_like(x),
-                             SolverConfig(tol=1e-10, norm="l2", max_iter=80), training=False)
-    assert stats.tol == 1e-10 and stats.stopped_by == "converged"
-    assert ((z - 2 * x).norm(dim=-1) / (2 * x).norm(dim=-1)).max() < 1e-9
+    for norm in ("l2", "sample_l2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                z, stats = solve(lambda z: 0.5 * z + x, torch.zeros_like(x),
+                                 SolverConfig(tol=1e-10, norm=norm, max_iter=80), training=False)
+        assert stats.tol == 1e-10 and stats.stopped_by == "converged", norm
+        assert stats.sample_residual.dtype == torch.float64 and stats.sample_residual.max() < 1e-10, norm
+        assert ((z - 2 * x).norm(dim=-1) / (2 * x).norm(dim=-1)).max() < 1e-9, norm

@@ -13,7 +13,10 @@ kernel tests (``test_kernel_*``) run in a child pytest process with ``TRITON_INT
     python -m pytest tests/solvers/test_fused.py -q
 """
 import dataclasses
+import functools
 import os
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -307,6 +310,29 @@ def test_fused_where_it_cannot_run_is_an_error_and_auto_on_cpu_is_the_pytorch_lo
     with torch.no_grad(), count_aten_ops() as ops:
         iterate(f, z0, SolverConfig(tol=1e-4), quantile=0.0)
     assert not any(op.startswith("triton.") for op in ops.by_op), ops.by_op
+
+
+def test_a_feature_the_kernels_lack_runs_the_pytorch_step_and_says_so_once(monkeypatch):
+    """Entry groups and a carried state (and, in auto on CUDA, Anderson and sample_l2) are not in the kernels:
+    the PyTorch step runs them, the same iterates as bookkeeping: torch, with one warning naming the feature
+    (docs/solver.md's mode x feature table); auto on CPU stays silent (it never fuses there)."""
+    monkeypatch.setattr(fused, "_warn_fallback_once", functools.cache(fused._warn_fallback_once.__wrapped__))
+    f, z0 = contraction(torch.float64)
+    with torch.no_grad():
+        want = iterate(f, z0, SolverConfig(tol=1e-6, bookkeeping="torch"), quantile=0.0, group=2)
+        with pytest.warns(UserWarning, match=r"bookkeeping = fused: the fused kernels have no entry groups of 2"):
+            got = iterate(f, z0, SolverConfig(tol=1e-6, bookkeeping="fused"), quantile=0.0, group=2)
+            again = iterate(f, z0, SolverConfig(tol=1e-6, bookkeeping="fused"), quantile=0.0, group=2)
+        assert torch.equal(want.z, got.z) and torch.equal(got.z, again.z) and want.iterations == got.iterations
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            iterate(f, z0, SolverConfig(tol=1e-6, bookkeeping="fused"), quantile=0.0, group=2)   # once
+            assert not fused.fused_wanted(SolverConfig(anderson=3), z0)                            # auto, CPU
+        cuda = types.SimpleNamespace(is_cuda=True, device="cuda", numel=z0.numel)
+        with pytest.warns(UserWarning, match=r"bookkeeping = auto: .*solver.anderson = 3 / a carried state"):
+            assert not fused.fused_wanted(SolverConfig(anderson=3), cuda, carried=True)
+    assert fused.unfused_features(SolverConfig(norm="sample_l2", decisions="sample")) == ("solver.norm = sample_l2",)
+    assert fused.unfused_features(SolverConfig()) == ()
 
 
 @pytest.mark.slow
