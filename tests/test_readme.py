@@ -152,7 +152,10 @@ def test_every_documented_python_command_runs_as_written(env, script):
 def test_every_results_bullet_names_its_command():
     """The README's "Results at a glance": a bullet with a figure names the command that measures it (or the page
     that gives every row's command: docs/experiments.md, docs/benchmarks.md), and that command is a documented
-    script (so test_every_documented_python_command_runs_as_written starts it)."""
+    script (so test_every_documented_python_command_runs_as_written starts it); and the commit it was measured at
+    (or committed in), which this checkout's history resolves where it has its history (tests/test_doc_figures.py
+    holds the pages' figure tables to the same)."""
+    from tests.test_doc_figures import hexes, known_commits
     section = README.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
     bullets = [b for b in re.split(r"\n\* ", "\n" + section) if b.strip()]
     assert len(bullets) >= 4
@@ -163,3 +166,5 @@ def test_every_results_bullet_names_its_command():
         named = [w for cmd in INLINE.findall(bullet) for w in cmd.split() if w.endswith(".py")]
         assert named or re.search(r"docs/(experiments|benchmarks)\.md", bullet), f"no command for: {bullet[:120]}"
         assert set(named) <= scripts, (named, bullet[:120])
+        commits = known_commits(hexes(bullet))
+        assert hexes(bullet) if commits is None else commits, f"no commit for: {bullet[:120]}"
