@@ -101,11 +101,21 @@ COMMAND = re.compile(r"^((?:[A-Z_]+=\S+\s+)*)(python3?|\.venv/bin/python|deepspe
 
 
 def documented_scripts() -> dict[tuple[str, str], list[str]]:
-    """{(environment prefix, script): the pages} for every command of README.md, docs/*.md and
-    experiments/README.md (fenced lines and inline code, each part of a ``&&`` / ``;`` chain) that starts one
-    of fpscale's scripts (``[VAR=value ...] python|deepspeed|torchrun|bash|sbatch ... path.py|.sh|.sbatch``).
-    Patterns (``bench/*.py``, ``experiments/<name>.py``) and ``python -m`` commands are left out."""
-    found: dict[tuple[str, str], list[str]] = {}
+    """{(environment prefix, script): the pages} (documented_commands, without the options)."""
+    return {key: [page for page, _ in uses] for key, uses in documented_commands().items()}
+
+
+def documented_options(env: str, script: str) -> set[str]:
+    """The ``--options`` the pages give ``script`` (after its path; ``--name=value`` as ``--name``)."""
+    return {w.split("=")[0] for _, words in documented_commands()[env, script] for w in words if w.startswith("--")}
+
+
+def documented_commands() -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
+    """{(environment prefix, script): [(page, the words after the script)]} for every command of README.md,
+    docs/*.md and experiments/README.md (fenced lines and inline code, each part of a ``&&`` / ``;`` chain) that
+    starts one of fpscale's scripts (``[VAR=value ...] python|deepspeed|torchrun|bash|sbatch ... path.py|.sh|
+    .sbatch``). Patterns (``bench/*.py``, ``experiments/<name>.py``) and ``python -m`` commands are left out."""
+    found: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}
     for page in PAGES:
         text = (ROOT / page).read_text()
         spans = [ln.split("  #")[0].strip() for m in FENCE.finditer(text) for ln in m.group(1).splitlines()]
@@ -115,9 +125,10 @@ def documented_scripts() -> dict[tuple[str, str], list[str]]:
                 m = COMMAND.match(part)
                 if not m or m.group(3).startswith("-m "):          # python -m pytest FILE: not FILE's entry point
                     continue
-                script = next((w for w in m.group(3).split() if re.search(r"\.(py|sh|sbatch)$", w)), None)
-                if script and not re.search(r"[*<>]", script):
-                    found.setdefault((m.group(1).strip(), script), []).append(page)
+                words = m.group(3).split()
+                at = next((i for i, w in enumerate(words) if re.search(r"\.(py|sh|sbatch)$", w)), None)
+                if at is not None and not re.search(r"[*<>]", words[at]):
+                    found.setdefault((m.group(1).strip(), words[at]), []).append((page, words[at + 1:]))
     return found
 
 
@@ -138,7 +149,8 @@ def test_every_documented_script_exists(env, script):
                          ids=lambda v: v or "-")
 def test_every_documented_python_command_runs_as_written(env, script):
     """``[VAR=value] python SCRIPT --help`` from the checkout with no PYTHONPATH but the command's own: an entry
-    point that cannot import what it needs (``No module named 'experiments'``) fails here. The --quick runs of
+    point that cannot import what it needs (``No module named 'experiments'``) fails here, and so does an
+    ``--option`` a page gives the script that its --help does not list (renamed or gone). The --quick runs of
     the experiments are tests/experiments; the README's runnable block is test_the_runnable_block_runs_as_written."""
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     assigned = dict(a.split("=", 1) for a in env.split())
@@ -147,12 +159,18 @@ def test_every_documented_python_command_runs_as_written(env, script):
     pages = ", ".join(sorted(set(documented_scripts()[env, script])))
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), \
         f"{env} python {script} --help (documented in {pages}) exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    offered = set(re.findall(r"(?<![\w-])--[\w-]+", proc.stdout))
+    unknown = sorted(documented_options(env, script) - offered)
+    assert not unknown, f"{script} has no option {', '.join(unknown)} (documented in {pages}):\n{proc.stdout[-2000:]}"
 
 
 def test_every_results_bullet_names_its_command():
     """The README's "Results at a glance": a bullet with a figure names the command that measures it (or the page
     that gives every row's command: docs/experiments.md, docs/benchmarks.md), and that command is a documented
-    script (so test_every_documented_python_command_runs_as_written starts it)."""
+    script (so test_every_documented_python_command_runs_as_written starts it); and the commit it was measured at
+    (or committed in), which this checkout's history resolves where it has its history (tests/test_doc_figures.py
+    holds the pages' figure tables to the same)."""
+    from tests.test_doc_figures import hexes, known_commits
     section = README.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
     bullets = [b for b in re.split(r"\n\* ", "\n" + section) if b.strip()]
     assert len(bullets) >= 4
@@ -163,3 +181,5 @@ def test_every_results_bullet_names_its_command():
         named = [w for cmd in INLINE.findall(bullet) for w in cmd.split() if w.endswith(".py")]
         assert named or re.search(r"docs/(experiments|benchmarks)\.md", bullet), f"no command for: {bullet[:120]}"
         assert set(named) <= scripts, (named, bullet[:120])
+        commits = known_commits(hexes(bullet))
+        assert hexes(bullet) if commits is None else commits, f"no commit for: {bullet[:120]}"

@@ -10,6 +10,9 @@ counts its own collectives. launch.layout_cases starts it.
 Extra ``rank_tol=a,b`` gives each rank its own solver tolerance (deliberately uneven convergence);
 ``nan_at=S`` makes the last rank's embeddings NaN in step S (one rank's non-finite loss);
 ``plugin=module`` imports a module first (one that registers a layer type of its own).
+``pinned=N`` solves every looped layer to a fixed depth of N iterations (launch.pinned: tol 0, patience 0;
+forward, evaluation and adjoint), so that no tolerance decision can flip between layouts; with ``ds=1`` the
+deep-supervision model is pinned too, at its own caps (its randomised caps still vary the depth).
 ``ds=1`` also trains ``DS``, a looped core with deep supervision (windows of 2), 5 steps on one micro-batch
 per DP rank of the global 8 with ``solver.agree: dp`` (so DP ranks = one process with all 8), in the same
 processes after the main run (no launch of its own), and writes it as ``deep_supervision``.
@@ -27,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import fpscale  # noqa: E402
 from fpscale.train.trainer import Trainer  # noqa: E402
 from tests.parallel.device_check import checked_collectives, unnamed_device_is_meta  # noqa: E402
+from tests.parallel.launch import pinned  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
@@ -38,12 +42,15 @@ DS = ["model.layers=[{type: attn}, {type: looped, core_blocks: 1, conv: true, de
       "model.iteration_cap.dist=exponential", "model.iteration_cap.mean=7"]
 
 
-def deep_supervised(trainer, out: str, layout: list[str]) -> list[dict]:
-    """5 steps of DS on ``trainer``'s process groups: loss, gradient norm, iterations and windows."""
+def deep_supervised(trainer, out: str, layout: list[str], pin: bool = False) -> list[dict]:
+    """5 steps of DS on ``trainer``'s process groups: loss, gradient norm, iterations and windows
+    (``pin``: every solve runs to its randomised cap)."""
     dp = trainer.state.dp_size
+    overrides = BASE + [f"train.out_dir={out}/ds", "name=ds", f"train.micro_batch={8 // dp}", *DS, *layout]
+    if pin:
+        overrides += pinned("configs/tiny_attn.yaml", overrides, iters=None)
     cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_attn.yaml"),
-                              BASE + [f"train.out_dir={out}/ds", "name=ds", f"train.micro_batch={8 // dp}",
-                                      *DS, *layout])
+                              overrides)
     ds = Trainer(cfg, log=False, state=trainer.state)
     steps = []
     for _ in range(cfg.train.steps):
@@ -83,7 +90,8 @@ def run(checked, out: str, args: list[str], last: bool = True, before: Counter |
     config = ([a.split("=")[1] for a in args if a.startswith("config=")] or ["tiny_mixed.yaml"])[0]
     for plugin in [a.split("=")[1] for a in args if a.startswith("plugin=")]:
         importlib.import_module(plugin)
-    own = ("zero_stage=", "rank_tol=", "config=", "nan_at=", "plugin=", "ds=")
+    pin = [int(a.split("=")[1]) for a in args if a.startswith("pinned=")]
+    own = ("zero_stage=", "rank_tol=", "config=", "nan_at=", "plugin=", "ds=", "pinned=")
     with_ds = "ds=1" in args
     overrides = BASE + [f"train.out_dir={out}"] + [a for a in args if not a.startswith(own)]
     if zero:
@@ -92,6 +100,8 @@ def run(checked, out: str, args: list[str], last: bool = True, before: Counter |
     if rank_tol:
         tol = rank_tol[0].split(",")[rank]
         overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
+    if pin:
+        overrides += pinned(f"configs/{config}", overrides, pin[0])
     cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", config), overrides)
     trainer = Trainer(cfg, log=False)
     trainer.owns_state = last               # the first case initialised the process group, the later ones reuse it
@@ -103,10 +113,12 @@ def run(checked, out: str, args: list[str], last: bool = True, before: Counter |
         for _ in range(cfg.train.steps):
             s = trainer.train_step()
             steps.append({"loss": s["loss"], "grad_norm": s["grad_norm"], "skipped": s["skipped"],
-                          "iterations": {k: [st.iterations for st in v] for k, v in s["layer_stats"].items()}})
+                          "iterations": {k: [st.iterations for st in v] for k, v in s["layer_stats"].items()},
+                          "backward_iterations": {k: [getattr(st, "backward_iterations", None) for st in v]
+                                                  for k, v in s["layer_stats"].items()}})
         val = trainer.evaluate()
     layout = [a for a in overrides if a.startswith("parallel.")]
-    ds_steps = deep_supervised(trainer, out, layout) if with_ds else None
+    ds_steps = deep_supervised(trainer, out, layout, pin=bool(pin)) if with_ds else None
     # replicated (not TP-split) weights: every TP shard must hold the very same values
     replicated = {n: float(p.detach().double().sum()) for n, p in trainer.model.named_parameters()
                   if not getattr(p, "tensor_model_parallel", False) and p.numel() > 0}

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import fpscale  # noqa: E402
 from fpscale.parallel.state import init_parallel  # noqa: E402
 from fpscale.train.trainer import Trainer  # noqa: E402
+from tests.parallel.launch import pinned  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32", "model.n_heads=4",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
@@ -31,6 +32,7 @@ BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "mode
         "solver.max_iter=6", "solver.tol=1e-3",
         "train.optimizer=muon_adamw", "train.muon.ns_dtype=fp32", "train.muon.weight_decay=0.5",
         "train.muon.momentum_warmup=3", "train.lr_scale.embed=2.0", "train.group_weight_decay.scalar=0.0"]
+BASE += pinned(None, BASE, iters=6)     # the looped core at a fixed depth: no tolerance stop to flip across layouts
 # Muon as Attractor's MuonAdamW (NorMuon, decay x shape scale to 0, polar express) and as Keller's Muon
 MODES = {"attractor": ["train.muon.shape_scale=keller", "train.muon.normuon=true", "train.muon.wd_scale=step",
                        "train.muon.wd_schedule=linear", "train.muon.ns_coefficients=polar_express"],

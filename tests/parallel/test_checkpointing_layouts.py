@@ -7,15 +7,17 @@ stream, which the recomputation must draw again); TP2 with residual dropout trai
 Under ZeRO-3 (d_model 384: the attention and MLP weights lie above the persistence threshold, so
 they are partitioned) the recomputation re-enters the modules: their hooks gather the weights
 again in backward, so the run all-gathers more often than without checkpointing.
+Every run solves to a fixed depth (``PIN``, tests/parallel/launch.py): TP2 against one process sums in another
+order, where a tolerance stop could flip an iteration.
 """
 import pytest
 
-from tests.parallel.launch import layout_cases, one_process_reference
+from tests.parallel.launch import PIN, assert_pinned, layout_cases, one_process_reference
 
 pytestmark = pytest.mark.multiprocess
-DROPOUT = ["model.dropout=0.2", "model.attn_dropout=0.2"]
+DROPOUT = ["model.dropout=0.2", "model.attn_dropout=0.2", PIN]
 LAYOUTS = {"tp2": ["parallel.tp=2", "zero_stage=1"], "dp2-zero3": ["zero_stage=3", "model.d_model=384"]}
-RESIDUAL = ["model.dropout=0.2", "train.steps=3"]
+RESIDUAL = ["model.dropout=0.2", "train.steps=3", PIN]
 # every two-rank run of this file, each as in a launch of its own (400 s each), in ONE launch
 CASES = {**{f"{name}-{mode}": [*layout, *DROPOUT, "train.steps=3", *(["model.checkpoint=block"] if mode == "block"
                                                                       else [])]
@@ -59,6 +61,7 @@ def test_block_checkpointing_under_tp2_trains_as_one_process(tmp_path, two_ranks
     checkpointing gives one process's losses (fpscale's TP tolerance)."""
     (tmp_path / "one").mkdir()
     one = one_process_reference(str(tmp_path / "one"), *RESIDUAL)
+    assert_pinned(one)
     for r in two_ranks["tp2-block-residual"]:
         for got, want in zip(r["steps"], one["steps"]):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -10,6 +10,7 @@ import fpscale
 from fpscale.errors import ConfigError
 from fpscale.parallel.compile import apply_compile
 from fpscale.train.trainer import Trainer
+from tests.parallel.launch import pinned
 
 TINY = ["data.source=synthetic", "data.seq_len=16", "data.period=3", "model.vocab_size=64", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=4", "train.log_interval=1",
@@ -19,9 +20,10 @@ TINY = ["data.source=synthetic", "data.seq_len=16", "data.period=3", "model.voca
 
 def losses(tmp_path, mode: str, steps: int, *extra: str) -> tuple[list[float], list]:
     """The train losses of a short run, and each compiled region's failure (None: it compiled)."""
-    cfg = fpscale.load_config("configs/tiny_mixed.yaml", [
-        *TINY, f"train.steps={steps}", f"train.eval_interval={steps}", f"train.out_dir={tmp_path / mode}",
-        f"train.compile={mode}", *extra])
+    overrides = [*TINY, f"train.steps={steps}", f"train.eval_interval={steps}", f"train.out_dir={tmp_path / mode}",
+                 f"train.compile={mode}", *extra]
+    # fixed solver depths: Inductor's kernels round otherwise than eager's, where a tolerance stop could flip
+    cfg = fpscale.load_config("configs/tiny_mixed.yaml", overrides + pinned("configs/tiny_mixed.yaml", overrides))
     with Trainer(cfg, log=False) as trainer:
         history = trainer.train()
         regions = [functools.reduce(getattr, name.split("."), block) for block in trainer.model.layers
@@ -31,8 +33,8 @@ def losses(tmp_path, mode: str, steps: int, *extra: str) -> tuple[list[float], l
 
 @pytest.mark.slow
 def test_compiled_blocks_train_tiny_mixed_as_eager(tmp_path):
-    """20 fp32 steps of tiny_mixed (attn, fpsa, fpmamba, looped, attn) with the MLP sublayers
-    recomputed: the same losses, to rounding (rel 1e-5), every declared region compiled (the two
+    """20 fp32 steps of tiny_mixed (attn, fpsa, fpmamba, looped, attn; every solve 6 iterations) with the MLP
+    sublayers recomputed: the same losses, to rounding (rel 1e-5), every declared region compiled (the two
     attn blocks, fpsa's MLP sublayer, fpmamba's input path). Minutes on a shared CPU, almost all of it
     Inductor's build."""
     eager, _ = losses(tmp_path, "none", 20, "model.checkpoint=mlp")

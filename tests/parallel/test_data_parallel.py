@@ -1,9 +1,15 @@
-"""Data parallelism through DeepSpeed ZeRO 0/1/2/3 against one process (tiny_mixed: every layer type)."""
+"""Data parallelism through DeepSpeed ZeRO 0/1/2/3 against one process (tiny_mixed: every layer type).
+
+The comparisons with one process solve to a fixed depth (``PIN``, tests/parallel/launch.py: tol 0, 6
+iterations), so no tolerance stop can flip an iteration under the all-reduce's other summation order; the
+uneven-convergence and ``agree: dp`` cases keep their tolerances (their point), and compare no values."""
 
 import pytest
 
 from tests.parallel.launch import (
+    PIN,
     assert_deep_supervision_matches,
+    assert_pinned,
     layout_cases,
     one_process_reference,
     read_ranks,
@@ -14,10 +20,10 @@ pytestmark = pytest.mark.multiprocess
 SCRIPT = "tests/parallel/run_layout.py"
 NAN_LAYOUTS = ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"]
 # every two-rank case of this file, each run as in a launch of its own (300 s each), in ONE launch
-CASES = {**{f"dp2-zero{z}": [f"zero_stage={z}", *(["ds=1"] if z == 3 else [])] for z in range(4)},
+CASES = {**{f"dp2-zero{z}": [f"zero_stage={z}", PIN, *(["ds=1"] if z == 3 else [])] for z in range(4)},
          "uneven-zero3": ["zero_stage=3", "rank_tol=5e-1,1e-7", "solver.max_iter=60"],
          "agree-zero1": ["zero_stage=1", "rank_tol=5e-1,1e-7", "solver.max_iter=12", "solver.agree=dp"],
-         **{f"nan-{layout}": ["nan_at=2", *([layout] if "zero" in layout else [layout, "zero_stage=1"])]
+         **{f"nan-{layout}": ["nan_at=2", PIN, *([layout] if "zero" in layout else [layout, "zero_stage=1"])]
             for layout in NAN_LAYOUTS}}
 WAITS = pytest.mark.timeout(300 * len(CASES) + 60)      # the first test to ask for ``two_ranks`` waits for it
 
@@ -37,6 +43,8 @@ def test_dp2_matches_one_process(two_ranks, reference, zero_stage):
     if zero_stage == 3:
         assert_deep_supervision_matches(ranks, reference)
     assert len(ranks) == 2 and ranks[0]["world"] == 2
+    for r in [reference, *ranks]:
+        assert_pinned(r)
     for r in ranks:
         # fp32; the gradient all-reduce sums in another order than one process: 1e-5 relative
         for got, want in zip(r["steps"], reference["steps"]):
@@ -70,7 +78,7 @@ def test_agree_dp_makes_ranks_with_uneven_tolerances_run_the_same_iterations(two
 
 @pytest.fixture(scope="module")
 def reference_nan(tmp_path_factory):
-    return one_process_reference(str(tmp_path_factory.mktemp("ref_nan")), "nan_at=2")
+    return one_process_reference(str(tmp_path_factory.mktemp("ref_nan")), "nan_at=2", PIN)
 
 
 @WAITS
