@@ -63,7 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache, along
+from fpscale.layers.step_cache import along
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -193,7 +193,7 @@ class FPSAttention(FixedPointLayer):
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         w_qk, scale = self.qk_weight()     # under TP: this rank's heads; z stays whole
         v = split_heads(F.linear(self.shards.enter(h), self.w_v), self.head_dim)
-        steps = StepCache(cache) if cache is not None else None     # the keys of every iteration
+        steps = self.step_cache(cache) if cache is not None else None     # the keys of every iteration
         past_v = cache.get("v") if cache is not None else None
         v_all = v if past_v is None else torch.cat([past_v, v], 2)
         cos, sin = (token_major(t) for t in rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad))

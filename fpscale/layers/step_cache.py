@@ -22,6 +22,13 @@ an entry that depends on earlier tokens (a scan state, the core's deeper sublaye
 only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorders dim 0).
 
 Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
+
+``fixed=True`` (``decode.cache: fixed_point``, docs/decoding.md): one entry per past token, what the map
+reads of it at the fixed point (the first application after the loop: the entry of z*). Every
+iteration of a new token reads it, no past iteration count binds the new solve (``min_iter`` 0) and the
+past is done from the start (``prefix`` None): a token stops at its own convergence. The new token's
+solve then runs against a past that already sits at its fixed point, so its result equals the full
+forward's where both solves converged (within the tolerance), and differs where they stop at a cap.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from typing import Callable
 import torch
 
 Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+CACHE_MODES = ("exact", "fixed_point")          # decode.cache (fpscale.models.decode)
 
 
 def replace(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -52,12 +60,18 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
 class StepCache:
     """One forward's view of a layer's per-iteration cache ``cache[key]`` (None: no cache)."""
 
-    def __init__(self, cache: dict | None, key: str = "steps"):
+    def __init__(self, cache: dict | None, key: str = "steps", fixed: bool = False):
         past = cache.get(key) if cache is not None else None
+        self.fixed = fixed
+        mode = CACHE_MODES[fixed]
+        if past and past.get("mode", "exact") != mode:
+            raise RuntimeError(f"a decoding cache filled with decode.cache {past.get('mode', 'exact')!r} is read "
+                               f"with {mode!r}: keep one mode for a generation (new caches to change it)")
         self.past_iters: dict | None = past["iters"] if past else None
         self.past_finals: dict | None = past["finals"] if past else None
         # per token (solver.decisions: token): the iteration from which every past token is done
-        self.prefix: torch.Tensor | None = past.get("prefix") if past else None
+        # (fixed: every past token is done from iteration 0, None)
+        self.prefix: torch.Tensor | None = past.get("prefix") if past and not fixed else None
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
         self.iters: list[dict] = []
@@ -66,7 +80,7 @@ class StepCache:
     @property
     def min_iter(self) -> int:
         """Iterations the new tokens' solve must cover: as many as the past recorded (z^0 .. z^{J-1})."""
-        if not self.past_iters:
+        if not self.past_iters or self.fixed:
             return 0
         return next(iter(self.past_iters.values())).shape[1] - 1
 
@@ -84,6 +98,8 @@ class StepCache:
 
     def record(self, **entries: torch.Tensor) -> None:
         """What this call's f computed of the new tokens (after reading ``past``)."""
+        if self.fixed and not (self.final and not self.finals):      # fixed: the entry of z* alone
+            return
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
     def past_kv(self, blocks: int) -> list[dict] | None:
@@ -105,12 +121,18 @@ class StepCache:
         """Merge the new tokens' entries into ``cache[key]`` (call after at least one final entry)."""
         if not self.finals:
             raise RuntimeError("StepCache.store: no final entry recorded (apply f to z* after on_final)")
+        if self.fixed:          # one entry: iters and finals are the same tensors
+            new = {n: self.finals[0][n].unsqueeze(1) for n in combine}
+            if self.past_iters is not None:
+                new = {n: how(self.past_iters[n], new[n]) for n, how in combine.items()}
+            cache[key] = {"iters": new, "finals": new, "mode": "fixed_point"}
+            return
         new_iters = {n: torch.stack([e[n] for e in self.iters + self.finals[:1]], 1) for n in combine}
         new_finals = {n: torch.stack([e[n] for e in self.finals], 1) for n in combine}
         if self.past_iters is not None:
             new_iters = _merge(self.past_iters, new_iters, combine)
             new_finals = _merge(self.past_finals, new_finals, combine)
-        cache[key] = {"iters": new_iters, "finals": new_finals}
+        cache[key] = {"iters": new_iters, "finals": new_finals, "mode": "exact"}
         if self.retired_at is not None:
             cache[key]["prefix"] = self.retired_at
 
