@@ -29,7 +29,8 @@ from common import print_table, write_json
 
 import fpscale
 
-COLUMNS = ["depth", "mode", "ppl", "ppl_vs_exact", "full_ppl", "max_logit_diff", "greedy_agree", "rows_equal", "iters_per_token"]
+COLUMNS = ["depth", "mode", "ppl", "ppl_vs_exact", "full_ppl", "max_logit_diff", "greedy_agree", "rows_equal",
+           "iters_per_token"]
 
 
 def load(args):

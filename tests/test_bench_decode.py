@@ -33,8 +33,9 @@ def test_agreement_of_the_two_modes_on_a_model(tmp_path):
     """bench/decode_agreement.py --quick on random weights: exact agrees with itself and scores the full
     forward's perplexity; fixed_point's rows are there with their agreement and iterations."""
     out = tmp_path / "agreement.json"
-    proc = subprocess.run([sys.executable, "bench/decode_agreement.py", "--config", "configs/tiny_mixed.yaml", "--quick",
-                           "--depths", "0", "1", "--out", str(out)], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    cmd = [sys.executable, "bench/decode_agreement.py", "--config", "configs/tiny_mixed.yaml", "--quick",
+           "--depths", "0", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {(r["depth"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(d, m) for d in ("eval", 1) for m in ("exact", "fixed_point")}

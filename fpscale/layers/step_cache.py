@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-CACHE_MODES = ("exact", "fixed_point")          # decode.cache (fpscale.models.decode)
+CACHE_MODES = ("exact", "fixed_point")          # decode.cache (fpscale.models.config.DecodeConfig)
 
 
 def replace(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
