@@ -26,6 +26,7 @@ import torch
 from common import ROOT, print_table, write_json
 
 import fpscale
+from fpscale.layers.step_cache import TokenBuffer
 
 TINY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("tiny_*.yaml"))
 COLUMNS = ["config", "mode", "T", "ms_per_token", "cache_mb", "per_block_kb", "iters_per_token"]
@@ -34,6 +35,8 @@ COLUMNS = ["config", "mode", "T", "ms_per_token", "cache_mb", "per_block_kb", "i
 def cache_bytes(obj, seen: set | None = None) -> int:
     """Bytes of every storage a (nested) decoding cache holds, each once (a view keeps its whole storage)."""
     seen = set() if seen is None else seen
+    if isinstance(obj, TokenBuffer):        # preallocated for model.max_seq_len: its whole capacity counts
+        obj = obj.data
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         if storage.data_ptr() in seen:
@@ -59,7 +62,8 @@ def attention_blocks(cfg) -> int:
 
 
 def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0) -> dict:
-    cfg = fpscale.load_config(path, [f"model.max_seq_len={max(T + new, 128)}"])
+    # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
+    cfg = fpscale.load_config(path, [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
     torch.manual_seed(seed)      # an init that draws from the global generator (the same weights in every row)
     model = fpscale.build_model(cfg).eval()
     prompt = torch.randint(0, cfg.model.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))

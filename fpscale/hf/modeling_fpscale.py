@@ -28,7 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fpscale.hf.configuration_fpscale import FpscaleConfig, eval_depths
-from fpscale.layers.step_cache import CACHE_MODES
+from fpscale.layers.step_cache import CACHE_MODES, TokenBuffer
 from fpscale.models.config import ModelConfig
 from fpscale.models.lm import LoopedLM
 from fpscale.solvers import SolverConfig
@@ -50,6 +50,8 @@ class FpscaleCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: keep the rows ``beam_idx`` of every cached tensor (all are batch-first)."""
         def pick(obj):
+            if isinstance(obj, TokenBuffer):        # a preallocated token axis (fpscale.layers.step_cache)
+                return obj.index_select(0, beam_idx.to(obj.data.device))
             if isinstance(obj, torch.Tensor):
                 return obj.index_select(0, beam_idx.to(obj.device))
             if isinstance(obj, dict):

@@ -34,6 +34,7 @@ class LoopedLayer(torch.nn.Module):
         self.optim_step: int | None = None
         self.eval_depth: int | None = None
         self.decode_cache = "exact"
+        self.token_capacity = 0          # the decoding cache's preallocated tokens (LoopedLM: model.max_seq_len)
         self.last_stats: Any = None
         self.aux_loss: torch.Tensor | None = None
         self._power_step: int | None = None   # the step whose forward last advanced a power iteration

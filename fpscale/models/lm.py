@@ -46,6 +46,9 @@ class LoopedLM(torch.nn.Module):
                         spec.deep_supervision.window
             layers += built
         self.layers = torch.nn.ModuleList(layers)
+        for m in self.layers.modules():     # decoding caches preallocated for the longest sequence
+            if hasattr(m, "token_capacity"):
+                m.token_capacity = cfg.max_seq_len
         # modules that read the token ids of the sequence (value embeddings: fpscale.layers.switches)
         self.token_readers = [m for m in self.layers.modules() if hasattr(m, "tokens")]
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]

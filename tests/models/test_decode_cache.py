@@ -8,6 +8,7 @@ import torch
 
 import fpscale
 from fpscale.errors import ConfigError
+from fpscale.layers.step_cache import TokenBuffer
 from fpscale.models import ModelConfig, layer_spec
 from tests.models.helpers import TYPES, tiny_model
 
@@ -18,6 +19,8 @@ SOLVER = {"tol": 1e-6, "max_iter": 300, "patience": 5, "decay": 0.7, "eta_min": 
 def storage_bytes(obj, seen=None) -> int:
     """Bytes of every storage a decoding cache holds, each once (bench/decode.py's count)."""
     seen = set() if seen is None else seen
+    if isinstance(obj, TokenBuffer):            # its preallocated capacity (model.max_seq_len) counts
+        obj = obj.data
     if isinstance(obj, torch.Tensor):
         ptr = obj.untyped_storage().data_ptr()
         if ptr in seen:
@@ -76,7 +79,7 @@ def test_at_a_capped_depth_fixed_point_differs_from_exact_which_equals_recomputa
 def test_fixed_point_cache_is_a_plain_models_size_per_attention_block():
     """A looped core of 2 blocks caches 2 blocks' K/V per token, as 2 attn layers do; exact keeps
     (iterations + 1) of them (here its cache is several times larger)."""
-    prompt = torch.randint(0, 32, (1, 24), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, 32, (1, 126), generator=torch.Generator().manual_seed(0))      # max_seq_len 128
     sizes = {}
     for kind, mode in [("attn", "exact"), ("looped", "exact"), ("looped", "fixed_point"), ("fpsa", "fixed_point")]:
         model = tiny_model(kind, **({"core_blocks": 2} if kind == "looped" else {})).eval()
@@ -87,6 +90,7 @@ def test_fixed_point_cache_is_a_plain_models_size_per_attention_block():
         blocks = 2 if kind == "looped" else 1
         sizes[kind, mode] = storage_bytes(caches) / blocks
     plain = sizes["attn", "exact"]
+    assert plain == 2 * 128 * 32 * 4, sizes         # K and V of 128 tokens (preallocated), d 32, fp32
     assert sizes["looped", "fixed_point"] <= 1.25 * plain, (sizes, plain)
     assert sizes["fpsa", "fixed_point"] <= 1.25 * plain, (sizes, plain)
     assert sizes["looped", "exact"] > 2 * plain, (sizes, plain)
@@ -122,3 +126,34 @@ def test_the_mode_is_a_validated_config_key_and_a_cache_keeps_its_mode():
             model(torch.zeros(1, 3, dtype=torch.long), caches=caches)
         with model.decode_cache("fixed_point"), pytest.raises(RuntimeError, match="keep one mode"):
             model(torch.zeros(1, 1, dtype=torch.long), caches=caches, pos=3)
+
+
+@pytest.mark.slow           # dynamo traces the model (~25 s; exact's cache, measured alike, is left out for time)
+def test_a_compiled_decode_step_compiles_no_new_graph_per_token():
+    """The model's forward under torch.compile (train.compile: full, dynamo's eager backend: the counts do not
+    depend on the device): the prompt and the first two decoded tokens compile (the second marks the growing
+    cache length dynamic); every later token reuses those graphs, and the logits are eager's. The graph
+    breaks are the solver's host reads (docs/decoding.md)."""
+    from torch._dynamo.utils import counters
+
+    from fpscale.parallel.compile import apply_compile
+    cfg = fpscale.load_config(str(ROOT / "configs/tiny_looped.yaml"))
+    torch.manual_seed(0)
+    model = fpscale.build_model(cfg).eval()
+    torch.manual_seed(0)
+    eager = fpscale.build_model(cfg).eval()
+    apply_compile(model, "full", backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    tokens = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    new_graphs = []
+    with torch.no_grad(), model.decode_cache("fixed_point"), eager.decode_cache("fixed_point"):
+        caches, eager_caches = model.new_caches(), eager.new_caches()
+        model(tokens, caches=caches), eager(tokens, caches=eager_caches)
+        for pos in range(16, 22):
+            before = counters["stats"]["unique_graphs"]
+            step = tokens[:, -1:]
+            torch.testing.assert_close(model(step, caches=caches, pos=pos), eager(step, caches=eager_caches, pos=pos),
+                                       rtol=1e-5, atol=1e-6)
+            new_graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert new_graphs[0] > 0 and new_graphs[2:] == [0] * 4, new_graphs
