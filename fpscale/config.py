@@ -17,7 +17,7 @@ import torch
 
 from fpscale.data.config import DataConfig
 from fpscale.errors import check, warn
-from fpscale.models.config import ModelConfig
+from fpscale.models.config import DecodeConfig, ModelConfig
 from fpscale.parallel.config import ParallelConfig
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.iterate import quantile_limit
@@ -35,6 +35,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)     # cached decoding (docs/decoding.md)
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.name) and "/" not in self.name, "name",

@@ -4,6 +4,8 @@ there is one).
     python launch/generate.py --model runs/tiny_mixed/final --prompt "Fellow-Citizens of the Senate"
     # a batch of prompts of different lengths (left-padded: each decodes as it would alone), at depth 8
     python launch/generate.py --model runs/tiny_mixed/final --prompt "The year" --prompt "Our country" --depth 8
+    # one cache entry per past token in the looped layers (a plain model's cache size; docs/decoding.md)
+    python launch/generate.py --model runs/tiny_mixed/final --cache fixed_point
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    ap.add_argument("--cache", choices=["exact", "fixed_point"], default=None,
+                    help="what the looped layers cache of past tokens (decode.cache; default: the config's, "
+                         "docs/decoding.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
     with model.eval_depth(args.depth):
         out = fpscale.generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed),
-                               pad=pad if bool(pad.any()) else None)
+                               pad=pad if bool(pad.any()) else None, cache=args.cache)
     for row, n_pad in zip(out.tolist(), pad.tolist()):
         print(sp.decode(row[n_pad:]))
     for name, st in model.layer_stats().items():

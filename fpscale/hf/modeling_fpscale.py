@@ -15,6 +15,8 @@ are fpscale's. What transformers needs on top:
                   0 after a 1 (right padding, holes) is refused: a looped layer's solve would read it
   depth           config.eval_depth / config.layer_eval_depth cap the looped layers' iterations
                   at evaluation; they are read at every forward, so they may change after loading
+  decode cache    config.decode_cache (``decode.cache``: exact, fixed_point; docs/decoding.md), read
+                  at every forward as the depths (a cache refuses the other mode: set it between generations)
 Training through this wrapper (labels give the shifted cross-entropy) is possible but fpscale's
 own trainer is the supported way; the layers' solvers run as in fpscale (eval: tolerance, depth).
 """
@@ -26,6 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fpscale.hf.configuration_fpscale import FpscaleConfig, eval_depths
+from fpscale.layers.step_cache import CACHE_MODES, TokenBuffer
 from fpscale.models.config import ModelConfig
 from fpscale.models.lm import LoopedLM
 from fpscale.solvers import SolverConfig
@@ -47,6 +50,8 @@ class FpscaleCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: keep the rows ``beam_idx`` of every cached tensor (all are batch-first)."""
         def pick(obj):
+            if isinstance(obj, TokenBuffer):        # a preallocated token axis (fpscale.layers.step_cache)
+                return obj.index_select(0, beam_idx.to(obj.data.device))
             if isinstance(obj, torch.Tensor):
                 return obj.index_select(0, beam_idx.to(obj.device))
             if isinstance(obj, dict):
@@ -97,10 +102,15 @@ class FpscaleForCausalLM(FpscalePreTrainedModel, GenerationMixin):
         return self.model.embed
 
     def apply_eval_depth(self) -> None:
-        """Set every looped layer's evaluation cap from the config (per layer over the global one)."""
+        """Set every looped layer's evaluation cap (per layer over the global one) and decoding cache mode
+        (``decode_cache``) from the config."""
         depth, per_layer = eval_depths(self.config)
+        mode = getattr(self.config, "decode_cache", "exact")
+        if mode not in CACHE_MODES:
+            raise ValueError(f"decode_cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
         for name, layer in self.model.looped_layers().items():
             layer.eval_depth = per_layer.get(name.split(".")[1], depth)
+            layer.decode_cache = mode
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: FpscaleCache | None = None, use_cache: bool | None = None,

@@ -23,6 +23,7 @@ from fpscale.layers.common import (
     swiglu_hidden,
 )
 from fpscale.layers.registry import LayerSpec
+from fpscale.layers.step_cache import TokenBuffer
 from fpscale.layers.switches import INITS, MLP_KINDS, VE_GATE_CHANNELS, Relu2MLP, ValueEmbedding, scaled_zero_ortho_
 
 
@@ -82,6 +83,7 @@ class Attention(torch.nn.Module):
         # value_embed: the vocabulary size of a value-embedding table (0: none)
         self.value_embed = ValueEmbedding(value_embed, d_model, n_heads) if value_embed else None
         self.rope_theta, self.dropout, self.qk_norm = rope_theta, dropout, qk_norm
+        self.token_capacity = 0          # the decoding cache's preallocated tokens (LoopedLM: model.max_seq_len)
         self.w_qkv = torch.nn.Parameter(torch.empty(3 * d_model, d_model))
         self.w_o = torch.nn.Parameter(torch.empty(d_model, d_model))
         init_linear(self.w_qkv, init_std)
@@ -99,8 +101,12 @@ class Attention(torch.nn.Module):
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
             out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
                                        self.dropout if self.training else 0.0, pad, self.qk_norm, extra)
-        if cache is not None:
-            cache["k"], cache["v"] = k, v
+        if cache is not None:       # preallocated for model.max_seq_len: no copy of the past per token
+            if "k" in cache:
+                for name in "kv":
+                    cache[name].advance(h.shape[1])
+            else:
+                cache["k"], cache["v"] = (TokenBuffer(t, 2, self.token_capacity) for t in (k, v))
         return self.shards.exit(out)
 
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fpscale.layers.step_cache import with_new
 from fpscale.ops.attention import causal_attention
 from fpscale.solvers.precision import wide
 
@@ -167,8 +168,8 @@ def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if qk_norm:
         q, k = F.rms_norm(q, (head_dim,)), F.rms_norm(k, (head_dim,))
-    if past:
-        k, v = torch.cat([past["k"], k], 2), torch.cat([past["v"], v], 2)
+    if past:          # cached tensors, or TokenBuffers written in place (fpscale.layers.step_cache)
+        k, v = with_new(past["k"], k, 2), with_new(past["v"], v, 2)
     return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p, pad=pad)), w_o), k, v
 
 

@@ -96,6 +96,10 @@ class FixedPointLayer(LoopedLayer):
             return None
         return self.last_stats.iterations
 
+    def step_cache(self, cache: dict | None) -> StepCache:
+        """This forward's view of its decoding cache in the layer's ``decode_cache`` mode."""
+        return StepCache(cache, fixed=self.decode_cache == "fixed_point", capacity=self.token_capacity)
+
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None, step_cache: StepCache | None = None,
                     on_final: Callable[[], None] | None = None,

@@ -57,7 +57,7 @@ from fpscale.layers.fpmamba import FPMambaBlock
 from fpscale.layers.fpmamba_map import add_mixer_params, scan_flops, shift_in, weight_normed
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache, replace
+from fpscale.layers.step_cache import replace
 from fpscale.ops.ssd import ssd
 
 
@@ -282,7 +282,7 @@ class FPMamba2Mixer(FixedPointLayer):
             step = self.compiled(self.step)
             y = self.fixed_point(lambda yy: step(yy, u, gate, bc, dt, None, None, static=static, real=real), z0, real)
         else:       # per iteration: the iterate's last y and the scan state after it (fpscale.layers.step_cache)
-            steps = StepCache(cache)
+            steps = self.step_cache(cache)
 
             def f(yy):
                 y_new, h_last = self.step(yy, u, gate, bc, dt, steps.past("y"), steps.past("h"), return_state=True,

@@ -20,7 +20,7 @@ from fpscale.layers.common import (
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.fpmamba_init import init_authors
 from fpscale.layers.mixers import apply_mixer, make_mixer_params, mixer_static
-from fpscale.layers.step_cache import StepCache, replace
+from fpscale.layers.step_cache import replace
 from fpscale.ops.scan_kernels import scan
 
 
@@ -269,7 +269,7 @@ class FPMambaMixer(FixedPointLayer):
             y = self.fixed_point(lambda yy: step(yy, u, gate, None, None, static=static, real=real),
                                  torch.zeros_like(u), real)
         else:       # per iteration: the iterate's last y and the scan state after it (fpscale.layers.step_cache)
-            steps = StepCache(cache)
+            steps = self.step_cache(cache)
 
             def f(yy):
                 y_new, h_last = self.step(yy, u, gate, steps.past("y"), steps.past("h"), return_state=True,

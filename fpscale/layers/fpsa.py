@@ -63,7 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import StepCache, along
+from fpscale.layers.step_cache import TokenBuffer, along, with_new
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -172,7 +172,7 @@ class FPSAttention(FixedPointLayer):
         q, k = self.queries_and_keys(z, h, w_qk, cos, sin)
         if keys is not None:
             keys.append(k)
-        k_all = k if past_k is None else torch.cat([past_k, k], 2)
+        k_all = k if past_k is None else with_new(past_k, k, 2)
         return self.shards.exit(F.linear(merge_heads(causal_attention(q, k_all, v, scale, pad=pad)), self.w_o))
 
     def project(self, u: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,7 @@ class FPSAttention(FixedPointLayer):
         q, k = self.queries_and_keys(self.project(u), h, w_qk, cos, sin)
         if keys is not None:
             keys.append(k)
-        k_all = k if past_k is None else torch.cat([past_k, k], 2)
+        k_all = k if past_k is None else with_new(past_k, k, 2)
         out = causal_attention(q, k_all, v, scale, pad=pad)           # [B, H, T, dh]
         return out.transpose(1, 2).reshape(u.shape)
 
@@ -193,9 +193,9 @@ class FPSAttention(FixedPointLayer):
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         w_qk, scale = self.qk_weight()     # under TP: this rank's heads; z stays whole
         v = split_heads(F.linear(self.shards.enter(h), self.w_v), self.head_dim)
-        steps = StepCache(cache) if cache is not None else None     # the keys of every iteration
-        past_v = cache.get("v") if cache is not None else None
-        v_all = v if past_v is None else torch.cat([past_v, v], 2)
+        steps = self.step_cache(cache) if cache is not None else None     # the keys of every iteration
+        past_v = cache.get("v") if cache is not None else None       # a TokenBuffer (static V)
+        v_all = v if past_v is None else past_v.with_new(v)
         cos, sin = (token_major(t) for t in rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad))
         heads = self.halting == "head"
         method = self.head_step if heads else self.step
@@ -232,7 +232,10 @@ class FPSAttention(FixedPointLayer):
             z = self.project(z)
         if cache is not None:
             steps.store(cache, {"k": along(2)})          # k: [B, H, T, dh] per entry
-            cache["v"] = v_all.detach()
+            if past_v is None:
+                cache["v"] = TokenBuffer(v.detach(), 2, self.token_capacity)
+            else:
+                past_v.advance(v.shape[2])
         return z.to(h.dtype)
 
     def head_offset(self, n_local: int) -> int:

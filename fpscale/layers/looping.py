@@ -7,6 +7,9 @@ each token stops when its halting distribution has spent its mass).
                   state such as a power iteration advances once per step, an annealed loss
                   weight follows the step
     eval_depth    at most this many repetitions at evaluation (``LoopedLM.eval_depth``)
+    decode_cache  what its decoding cache keeps of past tokens (``decode.cache``, ``LoopedLM.decode_cache``):
+                  ``exact`` every iteration's entries, ``fixed_point`` the fixed point's (a fixed-point layer;
+                  epsilon keeps its per-step entries either way, docs/decoding.md)
     last_stats    the statistics of its last forward (``to_dict()`` when a log step reads them)
     aux_loss      its auxiliary loss of the last training forward, already weighted, or None;
                   ``LoopedLM`` adds it to the cross-entropy
@@ -30,6 +33,8 @@ class LoopedLayer(torch.nn.Module):
         self.shards = Unsharded()        # replaced by fpscale.parallel for tensor parallelism
         self.optim_step: int | None = None
         self.eval_depth: int | None = None
+        self.decode_cache = "exact"
+        self.token_capacity = 0          # the decoding cache's preallocated tokens (LoopedLM: model.max_seq_len)
         self.last_stats: Any = None
         self.aux_loss: torch.Tensor | None = None
         self._power_step: int | None = None   # the step whose forward last advanced a power iteration

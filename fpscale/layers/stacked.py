@@ -15,7 +15,6 @@ import torch
 
 from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, swiglu, swiglu_hidden
 from fpscale.layers.fixed_point import FixedPointLayer
-from fpscale.layers.step_cache import StepCache
 from fpscale.layers.switches import relu2
 
 
@@ -74,7 +73,7 @@ class StackedBlocks(FixedPointLayer):
     def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict) -> torch.Tensor:
         """The solve of cached decoding: ``f_of(s, past, collect)`` is the map reading the past's K/V of
         every block at this iteration and appending its own (k, v) per block to ``collect``."""
-        steps = StepCache(cache)
+        steps = self.step_cache(cache)
 
         def f(s):
             collected: list = []

@@ -22,6 +22,13 @@ an entry that depends on earlier tokens (a scan state, the core's deeper sublaye
 only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorders dim 0).
 
 Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
+
+``fixed=True`` (``decode.cache: fixed_point``, docs/decoding.md): one entry per past token, what the map
+reads of it at the fixed point (the first application after the loop: the entry of z*). Every
+iteration of a new token reads it, no past iteration count binds the new solve (``min_iter`` 0) and the
+past is done from the start (``prefix`` None): a token stops at its own convergence. The new token's
+solve then runs against a past that already sits at its fixed point, so its result equals the full
+forward's where both solves converged (within the tolerance), and differs where they stop at a cap.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from typing import Callable
 import torch
 
 Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+CACHE_MODES = ("exact", "fixed_point")          # decode.cache (fpscale.models.config.DecodeConfig)
 
 
 def replace(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -37,9 +45,53 @@ def replace(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def along(dim: int) -> Combine:
+class along:
     """Entries that grow by the new tokens along ``dim`` of the per-entry tensor (keys, values)."""
-    return lambda past, new: torch.cat([past, new], dim + 1)       # +1: the entry axis
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def __call__(self, past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat([past, new], self.dim + 1)       # +1: the entry axis
+
+
+class TokenBuffer:
+    """Entries along a token axis ``dim``, preallocated for ``capacity`` tokens (``model.max_seq_len``): the
+    past is never copied per token. ``with_new`` writes the new tokens' entries after the filled part and
+    returns past and new as one view (what a map attends over, each iteration); ``advance`` keeps them.
+    Past the capacity (a caller that outgrows it) the buffer doubles, once per doubling."""
+
+    def __init__(self, first: torch.Tensor, dim: int, capacity: int):
+        shape = list(first.shape)
+        shape[dim] = max(capacity, shape[dim])
+        self.data, self.dim, self.n = first.new_empty(shape), dim, 0
+        self.with_new(first)
+        self.advance(first.shape[dim])
+
+    def with_new(self, new: torch.Tensor) -> torch.Tensor:
+        t = new.shape[self.dim]
+        if self.n + t > self.data.shape[self.dim]:
+            self.data = torch.cat([self.data, torch.empty_like(self.data)], self.dim)
+            return self.with_new(new)
+        self.data.narrow(self.dim, self.n, t).copy_(new)
+        return self.data.narrow(self.dim, 0, self.n + t)
+
+    def advance(self, t: int) -> None:
+        self.n += t
+
+    def view(self) -> torch.Tensor:
+        return self.data.narrow(self.dim, 0, self.n)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> TokenBuffer:
+        """Beam search's reordering of the rows (dim 0)."""
+        out = object.__new__(TokenBuffer)
+        out.data, out.dim, out.n = self.data.index_select(dim, index), self.dim, self.n
+        return out
+
+
+def with_new(past, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """The past's entries (a tensor, or a TokenBuffer written in place) followed by the new tokens'."""
+    return past.with_new(new) if isinstance(past, TokenBuffer) else torch.cat([past, new], dim)
 
 
 def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -52,12 +104,18 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
 class StepCache:
     """One forward's view of a layer's per-iteration cache ``cache[key]`` (None: no cache)."""
 
-    def __init__(self, cache: dict | None, key: str = "steps"):
+    def __init__(self, cache: dict | None, key: str = "steps", fixed: bool = False, capacity: int = 0):
         past = cache.get(key) if cache is not None else None
+        self.fixed, self.capacity = fixed, capacity
+        mode = CACHE_MODES[fixed]
+        if past and past.get("mode", "exact") != mode:
+            raise RuntimeError(f"a decoding cache filled with decode.cache {past.get('mode', 'exact')!r} is read "
+                               f"with {mode!r}: keep one mode for a generation (new caches to change it)")
         self.past_iters: dict | None = past["iters"] if past else None
         self.past_finals: dict | None = past["finals"] if past else None
         # per token (solver.decisions: token): the iteration from which every past token is done
-        self.prefix: torch.Tensor | None = past.get("prefix") if past else None
+        # (fixed: every past token is done from iteration 0, None)
+        self.prefix: torch.Tensor | None = past.get("prefix") if past and not fixed else None
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
         self.iters: list[dict] = []
@@ -66,7 +124,7 @@ class StepCache:
     @property
     def min_iter(self) -> int:
         """Iterations the new tokens' solve must cover: as many as the past recorded (z^0 .. z^{J-1})."""
-        if not self.past_iters:
+        if not self.past_iters or self.fixed:
             return 0
         return next(iter(self.past_iters.values())).shape[1] - 1
 
@@ -80,10 +138,16 @@ class StepCache:
         if src is None:
             return None
         t = src[name]
+        if self.fixed:          # one entry per token: a TokenBuffer (read with ``with_new``) or the state
+            return t
         return t[:, min(index, t.shape[1] - 1)]
 
     def record(self, **entries: torch.Tensor) -> None:
         """What this call's f computed of the new tokens (after reading ``past``)."""
+        if self.fixed:       # the entry of z* alone (a copy: a TokenBuffer's slot is written again later)
+            if self.final and not self.finals:
+                self.finals.append({k: v.detach().clone() for k, v in entries.items()})
+            return
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
     def past_kv(self, blocks: int) -> list[dict] | None:
@@ -105,12 +169,27 @@ class StepCache:
         """Merge the new tokens' entries into ``cache[key]`` (call after at least one final entry)."""
         if not self.finals:
             raise RuntimeError("StepCache.store: no final entry recorded (apply f to z* after on_final)")
+        if self.fixed:          # one entry per token, kept in place (TokenBuffer) where it grows
+            new = self.finals[0]
+            if self.past_iters is None:
+                kept = {n: TokenBuffer(new[n], how.dim, self.capacity) if isinstance(how, along) else new[n]
+                        for n, how in combine.items()}
+            else:
+                kept = dict(self.past_iters)
+                for n, how in combine.items():
+                    if isinstance(how, along):
+                        kept[n].with_new(new[n])
+                        kept[n].advance(new[n].shape[how.dim])
+                    else:
+                        kept[n] = how(kept[n], new[n])
+            cache[key] = {"iters": kept, "finals": kept, "mode": "fixed_point"}
+            return
         new_iters = {n: torch.stack([e[n] for e in self.iters + self.finals[:1]], 1) for n in combine}
         new_finals = {n: torch.stack([e[n] for e in self.finals], 1) for n in combine}
         if self.past_iters is not None:
             new_iters = _merge(self.past_iters, new_iters, combine)
             new_finals = _merge(self.past_finals, new_finals, combine)
-        cache[key] = {"iters": new_iters, "finals": new_finals}
+        cache[key] = {"iters": new_iters, "finals": new_finals, "mode": "exact"}
         if self.retired_at is not None:
             cache[key]["prefix"] = self.retired_at
 

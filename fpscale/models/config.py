@@ -11,6 +11,7 @@ from typing import Literal
 from fpscale.errors import check
 from fpscale.layers import AttnSpec, LayerSpec
 from fpscale.layers.checkpointing import check_mode
+from fpscale.layers.step_cache import CACHE_MODES
 from fpscale.ops.fused_loss import LOSS_KERNELS
 
 
@@ -99,3 +100,18 @@ class ModelConfig:
         the number of residual sublayers; by default two per layer of the model)."""
         return self.init_std / (sublayers or 2 * len(self.expanded_layers())) ** 0.5
 
+
+
+@dataclass
+class DecodeConfig:
+    """``decode``: how cached decoding keeps the looped layers' past (docs/decoding.md).
+    ``cache: exact`` keeps what each fixed-point layer's map reads of a past token at every iteration,
+    so decoding repeats the full forward exactly (the reference); ``fixed_point`` keeps one entry per past
+    token, the fixed point's, a plain model's cache size, equal to the full forward where the solves
+    converged."""
+
+    cache: str = "exact"
+
+    def validate(self, prefix: str = "decode") -> None:
+        check(self.cache in CACHE_MODES, f"{prefix}.cache",
+              f"must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")

@@ -5,7 +5,14 @@
     out = fpscale.generate(model, prompts, 32, pad=pad)    # a batch of left-padded prompts
 
 ``pad`` [B] counts each prompt's left padding (the rows of a batch of prompts of different
-lengths are right-aligned); every row then decodes as it would alone.
+lengths are right-aligned); every row then decodes as it would alone. ``cache`` is ``decode.cache``
+(exact, fixed_point: docs/decoding.md; None: the model's, set from the config by build_model);
+``stats``, a list, receives one dict per forward (the prompt's, then one per new token): each looped
+layer's solver iterations in it, so a token that converged early shows what it saved:
+
+    steps = []
+    out = fpscale.generate(model, prompt, 32, cache="fixed_point", stats=steps)
+    [s["layers.3.core"] for s in steps[1:]]          # iterations per new token of one layer
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ import torch
 @torch.no_grad()
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              use_cache: bool = True, top_k: int | None = None, generator: torch.Generator | None = None,
-             return_logits: bool = False, pad: torch.Tensor | None = None):
+             return_logits: bool = False, pad: torch.Tensor | None = None, cache: str | None = None,
+             stats: list | None = None):
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if max_new_tokens < 0:
@@ -27,27 +35,39 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
                          "single-process model (parallel.tp = 1)")
     was_training = model.training
     model.eval()
-    try:
-        caches = model.new_caches() if use_cache else None
-        logits = model(tokens, caches=caches, pad=pad)[:, -1]
-        steps = []
-        for i in range(max_new_tokens):
-            steps.append(logits)
-            if temperature == 0.0:
-                nxt = logits.argmax(-1)
-            else:
-                scaled = logits.float() / temperature
-                if top_k is not None:
-                    kth = scaled.topk(top_k, -1).values[:, -1:]
-                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-                nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-            if i == max_new_tokens - 1:
-                break
-            if use_cache:
-                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)[:, -1]
-            else:
-                logits = model(tokens, pad=pad)[:, -1]
-    finally:
-        model.train(was_training)
+    with model.decode_cache(cache):
+        try:
+            return _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits,
+                           pad, stats)
+        finally:
+            model.train(was_training)
+
+
+def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits, pad, stats):
+    def forward(*args, **kwargs):
+        out = model(*args, **kwargs)[:, -1]
+        if stats is not None:
+            stats.append({name: st.iterations for name, st in model.solver_stats().items()})
+        return out
+
+    caches = model.new_caches() if use_cache else None
+    logits = forward(tokens, caches=caches, pad=pad)
+    steps = []
+    for i in range(max_new_tokens):
+        steps.append(logits)
+        if temperature == 0.0:
+            nxt = logits.argmax(-1)
+        else:
+            scaled = logits.float() / temperature
+            if top_k is not None:
+                kth = scaled.topk(top_k, -1).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        if i == max_new_tokens - 1:
+            break
+        if use_cache:
+            logits = forward(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)
+        else:
+            logits = forward(tokens, pad=pad)
     return (tokens, torch.stack(steps, 1) if steps else logits[:, :0]) if return_logits else tokens

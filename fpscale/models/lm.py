@@ -17,6 +17,7 @@ from fpscale.layers.common import RMSNorm
 from fpscale.layers.deep_supervision import check_solver, deep_supervised_loss, supervised
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.looping import LoopedLayer
+from fpscale.layers.step_cache import CACHE_MODES
 from fpscale.layers.switches import trunc_orthogonal_
 from fpscale.models.caps import draw_cap
 from fpscale.models.config import ModelConfig
@@ -45,6 +46,9 @@ class LoopedLM(torch.nn.Module):
                         spec.deep_supervision.window
             layers += built
         self.layers = torch.nn.ModuleList(layers)
+        for m in self.layers.modules():     # decoding caches preallocated for the longest sequence
+            if hasattr(m, "token_capacity"):
+                m.token_capacity = cfg.max_seq_len
         # modules that read the token ids of the sequence (value embeddings: fpscale.layers.switches)
         self.token_readers = [m for m in self.layers.modules() if hasattr(m, "tokens")]
         self.layer_types = [spec.type for spec in cfg.expanded_layers()]
@@ -191,6 +195,26 @@ class LoopedLM(torch.nn.Module):
             for m, value in zip(layers, before):
                 m.eval_depth = value
 
+    @contextlib.contextmanager
+    def decode_cache(self, mode: str | None):
+        """Within the block, cached decoding keeps ``mode``'s cache (``decode.cache``: exact, fixed_point;
+        None: as set). Start new caches when the mode changes (a cache refuses the other mode).
+
+            with model.decode_cache("fixed_point"):
+                out = fpscale.generate(model, prompt, 32)
+        """
+        if mode is not None and mode not in CACHE_MODES:
+            raise ValueError(f"decode.cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+        layers = list(self.looped_layers().values())
+        before = [m.decode_cache for m in layers]
+        for m in layers:
+            m.decode_cache = mode if mode is not None else m.decode_cache
+        try:
+            yield self
+        finally:
+            for m, value in zip(layers, before):
+                m.decode_cache = value
+
     def new_caches(self) -> list[dict]:
         return [{} for _ in self.layers]
 
@@ -203,4 +227,7 @@ def build_model(cfg) -> LoopedLM:
     """Build the LM from a full :class:`fpscale.Config` (model + solver) or a ModelConfig."""
     if isinstance(cfg, ModelConfig):
         return LoopedLM(cfg)
-    return LoopedLM(cfg.model, cfg.solver, cfg.seed)
+    model = LoopedLM(cfg.model, cfg.solver, cfg.seed)
+    for m in model.looped_layers().values():
+        m.decode_cache = cfg.decode.cache
+    return model

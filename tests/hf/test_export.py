@@ -151,6 +151,21 @@ def test_the_evaluation_depth_is_chosen_at_load_time(exported):
 
 
 @torch.no_grad()
+def test_generate_keeps_the_cache_mode_chosen_at_load_time(exported):
+    """decode_cache (decode.cache) reaches the looped layers: generate() with fixed_point's one entry per past
+    token gives fpscale.generate's tokens in that mode; a bad mode is refused naming the key."""
+    model, folder = exported("tiny_mixed")
+    ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(4))
+    hf = load(folder, decode_cache="fixed_point", eval_depth=2)
+    out = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert {m.decode_cache for m in hf.model.looped_layers().values()} == {"fixed_point"}
+    with model.eval_depth(2):
+        assert torch.equal(out, fpscale.generate(model, ids, 8, cache="fixed_point"))
+    with pytest.raises(ValueError, match="decode_cache must be one of"):
+        load(folder, decode_cache="kv")(ids)
+
+
+@torch.no_grad()
 def test_right_padding_is_refused_with_a_clear_error(exported):
     _, folder = exported("tiny_fpsa")
     hf = load(folder)

@@ -1,0 +1,114 @@
+"""Cached decoding: milliseconds per new token and the decoding caches' bytes against the prompt length,
+per config and cache mode (``decode.cache``: exact, fixed_point; docs/decoding.md).
+
+Each config is built with random weights (its seed) in eval mode, ``model.max_seq_len`` raised to hold
+the prompt and the new tokens; a random prompt of T tokens fills the caches (not timed), then
+``--new`` greedy tokens are decoded one at a time through the caches; ms/token is the median of those
+steps' wall times (the fastest of ``--repeats`` runs: load from other work comes and goes).
+``cache_mb`` counts every storage the caches hold (each once) after the last token (T + new tokens),
+``per_block_kb`` that divided by the tokens and by the model's attention blocks (an ``attn`` layer, each
+block of a ``looped`` core or an ``attractor`` head; an fpsa layer counts as one), a plain model's K/V per
+token and block being 2 x d_model x 4 bytes. ``iters/token`` is the mean, over the decoded tokens and
+the looped layers, of the solver iterations each new token's solve took.
+
+    python bench/decode.py --threads 1                           # every tiny config, T 64 and 512, 32 new tokens
+    python bench/decode.py --quick                               # T 8, 4 new tokens (tests)
+    python bench/decode.py --configs configs/tiny_looped.yaml --modes exact fixed_point --T 64
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import ROOT, print_table, write_json
+
+import fpscale
+from fpscale.layers.step_cache import TokenBuffer
+
+TINY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("tiny_*.yaml"))
+COLUMNS = ["config", "mode", "T", "ms_per_token", "cache_mb", "per_block_kb", "iters_per_token"]
+
+
+def cache_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every storage a (nested) decoding cache holds, each once (a view keeps its whole storage)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, TokenBuffer):        # preallocated for model.max_seq_len: its whole capacity counts
+        obj = obj.data
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        return sum(cache_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(cache_bytes(v, seen) for v in obj)
+    return 0
+
+
+def attention_blocks(cfg) -> int:
+    """Attention blocks of the model (what a plain model's K/V cache is counted in)."""
+    n = 0
+    for spec in cfg.model.expanded_layers():
+        if spec.type in ("looped", "attractor"):
+            n += spec.core_blocks if spec.type == "looped" else spec.head_blocks
+        elif spec.type in ("attn", "fpsa", "fpsa_lh", "epsilon"):
+            n += 1
+    return n
+
+
+def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0) -> dict:
+    # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
+    cfg = fpscale.load_config(path, [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
+    torch.manual_seed(seed)      # an init that draws from the global generator (the same weights in every row)
+    model = fpscale.build_model(cfg).eval()
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+    layers = model.fixed_point_layers()
+    medians = []
+    for _ in range(repeats):          # the same tokens each time; the fastest repeat's median (load comes and goes)
+        times, iters = [], []
+        with torch.no_grad(), model.decode_cache(mode):
+            caches = model.new_caches()
+            logits = model(prompt, caches=caches)[:, -1]
+            tokens = prompt
+            for _ in range(new):
+                tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+                t0 = time.perf_counter()
+                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1)[:, -1]
+                times.append(time.perf_counter() - t0)
+                iters += [layer.last_stats.iterations for layer in layers.values() if layer.last_stats is not None]
+        medians.append(statistics.median(times))
+    nbytes = cache_bytes(caches)
+    blocks = attention_blocks(cfg)
+    return {"config": Path(path).stem, "mode": mode, "T": T, "new": new,
+            "ms_per_token": 1e3 * min(medians), "cache_mb": nbytes / 2 ** 20,
+            "per_block_kb": nbytes / (T + new) / blocks / 2 ** 10 if blocks else None,
+            "iters_per_token": statistics.mean(iters) if iters else None, "cache_bytes": nbytes}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=TINY)
+    ap.add_argument("--modes", nargs="+", default=["exact", "fixed_point"], choices=["exact", "fixed_point"])
+    ap.add_argument("--T", type=int, nargs="+", default=[64, 512], help="prompt lengths")
+    ap.add_argument("--new", type=int, default=32, help="new tokens decoded after the prompt")
+    ap.add_argument("--repeats", type=int, default=3, help="decoding runs per row: the fastest one's median")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="T 8, 4 new tokens (a test's size)")
+    ap.add_argument("--out", help="JSON path (default bench/results/decode.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.new, args.repeats = [8], 4, 1
+    torch.set_num_threads(args.threads)
+    rows = [measure(c, m, T, args.new, args.repeats) for c in args.configs for T in args.T for m in args.modes]
+    print_table(rows, COLUMNS)
+    write_json("decode", {"args": vars(args), "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

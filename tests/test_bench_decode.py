@@ -1,0 +1,47 @@
+"""bench/decode.py at its test size (--quick: T 8, 4 new tokens): every tiny config in both cache modes, and
+its device-independent columns hold issue 51's goal (fixed_point's cache within 1.25x of tiny_attn's per
+attention block; exact's no smaller)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow          # a child process that imports torch and builds every tiny config
+
+
+def test_every_tiny_config_decodes_in_both_modes_and_fixed_point_is_a_plain_cache(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, "bench/decode.py", "--quick", "--out", str(out)], cwd=ROOT, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ms_per_token" in proc.stdout
+    rows = {(r["config"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    configs = {p.stem for p in (ROOT / "configs").glob("tiny_*.yaml")}
+    assert set(rows) == {(c, m) for c in configs for m in ("exact", "fixed_point")}
+    plain = rows["tiny_attn", "exact"]["per_block_kb"]
+    for name in ("tiny_fpsa", "tiny_looped", "tiny_attractor"):
+        assert rows[name, "fixed_point"]["per_block_kb"] <= 1.25 * plain, (name, rows[name, "fixed_point"], plain)
+    for name in configs:
+        assert rows[name, "fixed_point"]["cache_bytes"] <= rows[name, "exact"]["cache_bytes"], name
+        assert rows[name, "exact"]["ms_per_token"] > 0
+
+
+def test_agreement_of_the_two_modes_on_a_model(tmp_path):
+    """bench/decode_agreement.py --quick on random weights: exact agrees with itself and scores the full
+    forward's perplexity; fixed_point's rows are there with their agreement and iterations."""
+    out = tmp_path / "agreement.json"
+    cmd = [sys.executable, "bench/decode_agreement.py", "--config", "configs/tiny_mixed.yaml", "--quick",
+           "--depths", "0", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {(r["depth"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(d, m) for d in ("eval", 1) for m in ("exact", "fixed_point")}
+    for depth in ("eval", 1):
+        exact, fixed = rows[depth, "exact"], rows[depth, "fixed_point"]
+        assert exact["max_logit_diff"] == 0 and exact["greedy_agree"] == 1
+        assert abs(exact["ppl"] / exact["full_ppl"] - 1) < 1e-4          # exact decoding is the full forward
+        assert 0 <= fixed["greedy_agree"] <= 1 and fixed["iters_per_token"] >= 1
+    assert rows[1, "fixed_point"]["max_logit_diff"] > 0                  # at depth 1 the modes differ
