@@ -44,7 +44,7 @@ import fpscale.solvers.chunked as chunked
 from fpscale.layers.common import Unsharded
 from fpscale.models import ModelConfig, layer_spec
 from fpscale.parallel.compile import apply_compile
-from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
+from fpscale.profiling import count_aten_ops, count_host_reads
 
 LIVE = {"tol": 2e-2, "stop_quantile": 0.25, "backward_tol": 1e-3, "backward_max_iter": 16}
 

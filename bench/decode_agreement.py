@@ -8,6 +8,10 @@ configured evaluation depth (``--depths 0``: to convergence) and at capped depth
     python bench/decode_agreement.py --model runs/tiny_mixed/final --depths 0 2 1     # the quickstart's model
     python bench/decode_agreement.py --model runs/tiny_mixed/final --depths 0 --tol 1e-4   # solved tighter
     python bench/decode_agreement.py --config configs/tiny_mixed.yaml --quick          # random weights (tests)
+    python bench/decode_agreement.py --model runs/tiny_mixed/final --only fpsa         # one layer type's share
+
+``--only TYPE``: ``fixed_point`` for that layer type's layers only, the others decode ``exact`` (what the mode
+changes per layer type, on one trained model).
 
 ``--model`` is a folder with model.safetensors and config.yaml (launch/convert.py, a run's ``final``); its
 validation windows are read from the config's ``data.path`` (``--data`` elsewhere); ``--config`` builds
@@ -18,6 +22,7 @@ relative change of the perplexity against exact's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -29,7 +34,7 @@ from common import print_table, write_json
 
 import fpscale
 
-COLUMNS = ["depth", "mode", "ppl", "ppl_vs_exact", "full_ppl", "max_logit_diff", "greedy_agree", "rows_equal",
+COLUMNS = ["depth", "mode", "layers", "ppl", "ppl_vs_exact", "full_ppl", "max_logit_diff", "greedy_agree", "rows_equal",
            "iters_per_token"]
 
 
@@ -62,11 +67,21 @@ def iterations(model) -> list[int]:
     return [st.iterations for st in model.solver_stats().values()]
 
 
+@contextlib.contextmanager
+def cache_mode(model, mode: str, only: str | None = None):
+    """``model.decode_cache(mode)``; with ``only``, ``mode`` for that layer type's layers, exact for the rest."""
+    with model.decode_cache("exact" if only else mode):
+        for name, layer in model.looped_layers().items():
+            if only and name.split(".")[-1] == only:
+                layer.decode_cache = mode
+        yield
+
+
 @torch.no_grad()
-def teacher_forced(model, tokens: torch.Tensor, prompt: int, mode: str):
+def teacher_forced(model, tokens: torch.Tensor, prompt: int, mode: str, only: str | None = None):
     """Logits [B, L - prompt, V] of positions prompt-1 .. L-2 through the cache, and iterations per step."""
     caches, out, iters = model.new_caches(), [], []
-    with model.decode_cache(mode):
+    with cache_mode(model, mode, only):
         out.append(model(tokens[:, :prompt], caches=caches)[:, -1])
         for t in range(prompt, tokens.shape[1] - 1):
             out.append(model(tokens[:, t:t + 1], caches=caches, pos=t)[:, -1])
@@ -78,17 +93,23 @@ def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()))
 
 
-def measure(model, tokens: torch.Tensor, prompt: int, new: int, depth: int | None) -> list[dict]:
+def greedy(model, prompt: torch.Tensor, new: int, mode: str, only: str | None = None) -> torch.Tensor:
+    with cache_mode(model, mode, only):
+        return fpscale.generate(model, prompt, new)[:, prompt.shape[1]:]
+
+
+def measure(model, tokens: torch.Tensor, prompt: int, new: int, depth: int | None,
+            only: str | None = None) -> list[dict]:
     targets = tokens[:, prompt:]
     with model.eval_depth(depth), torch.no_grad():
         full = model(tokens[:, :-1])[:, prompt - 1:]
-        runs = {mode: teacher_forced(model, tokens, prompt, mode) for mode in ("exact", "fixed_point")}
-        greedy = {mode: fpscale.generate(model, tokens[:, :prompt], new, cache=mode)[:, prompt:]
-                  for mode in ("exact", "fixed_point")}
+        runs = {mode: teacher_forced(model, tokens, prompt, mode, only) for mode in ("exact", "fixed_point")}
+        greedy_tokens = {mode: greedy(model, tokens[:, :prompt], new, mode, only) for mode in ("exact", "fixed_point")}
     rows, exact_nll = [], nll(runs["exact"][0], targets)
     for mode, (logits, iters) in runs.items():
-        same = greedy[mode] == greedy["exact"]
-        rows.append({"depth": depth or "eval", "mode": mode, "ppl": math.exp(nll(logits, targets)),
+        same = greedy_tokens[mode] == greedy_tokens["exact"]
+        rows.append({"depth": depth or "eval", "mode": mode, "layers": only or "all",
+                     "ppl": math.exp(nll(logits, targets)),
                      "ppl_vs_exact": math.exp(nll(logits, targets) - exact_nll) - 1,
                      "full_ppl": math.exp(nll(full, targets)),
                      "max_logit_diff": float((logits - runs["exact"][0]).abs().max()),
@@ -109,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--score", type=int, default=96, help="tokens scored after the prompt")
     ap.add_argument("--new", type=int, default=32, help="greedy tokens after the prompt")
     ap.add_argument("--tol", type=float, help="every fixed-point layer's solver tolerance (default: the config's)")
+    ap.add_argument("--only", metavar="TYPE", help="fixed_point for this layer type only (fpsa, looped, ...)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="4 windows, prompt 8, 8 scored, 6 greedy (tests)")
     ap.add_argument("--out", help="JSON path (default bench/results/decode_agreement.json)")
@@ -119,8 +141,11 @@ def main(argv=None) -> int:
     cfg, model = load(args)
     for layer in model.fixed_point_layers().values():
         layer.solver = dataclasses.replace(layer.solver, tol=args.tol) if args.tol is not None else layer.solver
+    types = {name.split(".")[-1] for name in model.looped_layers()}
+    if args.only is not None and args.only not in types:
+        raise SystemExit(f"--only {args.only}: the model has no such looped layer (it has {', '.join(sorted(types))})")
     tokens = windows(args, cfg)
-    rows = [r for depth in args.depths for r in measure(model, tokens, args.prompt, args.new, depth or None)]
+    rows = [r for depth in args.depths for r in measure(model, tokens, args.prompt, args.new, depth or None, args.only)]
     print_table(rows, COLUMNS)
     write_json("decode_agreement", {"args": vars(args), "rows": rows}, args.out)
     return 0

@@ -29,7 +29,7 @@ matches the aten ops it ran under, e.g. ``aten::rms_norm`` around its pow/mean/r
 On a GPU the times are the kernels' (CUDA events); on CPU the aten ops' own CPU time, and "kernels" are
 the leaf aten ops that compute (views and allocations left out): what would each launch a kernel on a GPU.
 
-Host syncs per step are counted on one extra step by fpscale.solvers.host_reads.count_syncs (a dispatch mode that
+Host syncs per step are counted on one extra step by fpscale.profiling.count_syncs (a dispatch mode that
 sees ``aten._local_scalar_dense`` and device-to-host copies, and the ``tolist``/``item``/``cpu``/...
 methods): the same count on any device. Graph breaks and recompilations are torch._dynamo's counters
 over the warm-up and profiled steps (``train.compile``; 0 for an eager run).
@@ -233,7 +233,7 @@ def _under_aten(e) -> bool:
 def profile(config: str, overrides: list[str], warmup: int, steps: int, micro: int, trace: str | None) -> dict:
     from torch._dynamo.utils import counters
 
-    from fpscale.solvers.host_reads import count_syncs
+    from fpscale.profiling import count_syncs
     data, source = data_source(config, overrides)
     trainer = trainer_for(config, micro, warmup + steps + 1, data + overrides)
     cuda = trainer.device.type == "cuda"

@@ -5,7 +5,7 @@ For each looped layer type (a one-layer model) and backward mode, three read sch
     tol0        tol 0 (a fixed depth, Huginn/Parcae style): no stop rule can fire, one read per solve
     every4      tol 2e-2, check_every 4: the decision is read every 4th iteration (and at the cap)
 reported as host reads per training step (forward + backward, counted by patching the
-tensor-to-host methods: fpscale.solvers.host_reads) and per solve, with the iterations run.
+tensor-to-host methods: fpscale.profiling) and per solve, with the iterations run.
 Then the aten ops of one iteration (a TorchDispatchMode, counted between caps 4 and 8 of a no-grad
 forward solve, so set-up is excluded): those inside f and the solver's bookkeeping around it, for
 each ``solver.bookkeeping``: torch (the PyTorch loop) and fused (fpscale.solvers.fused: a Triton
@@ -38,8 +38,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 import fpscale  # noqa: E402
 from fpscale.models import ModelConfig, layer_spec  # noqa: E402
+from fpscale.profiling import count_aten_ops, count_host_reads  # noqa: E402
 from fpscale.solvers import fused  # noqa: E402
-from fpscale.solvers.host_reads import count_aten_ops, count_host_reads  # noqa: E402
 
 chunked_module = importlib.import_module("fpscale.solvers.chunked")
 solve_module = importlib.import_module("fpscale.solvers.solve")    # the package exports solve()

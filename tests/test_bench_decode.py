@@ -45,3 +45,18 @@ def test_agreement_of_the_two_modes_on_a_model(tmp_path):
         assert abs(exact["ppl"] / exact["full_ppl"] - 1) < 1e-4          # exact decoding is the full forward
         assert 0 <= fixed["greedy_agree"] <= 1 and fixed["iters_per_token"] >= 1
     assert rows[1, "fixed_point"]["max_logit_diff"] > 0                  # at depth 1 the modes differ
+
+
+def test_agreement_per_layer_type(tmp_path):
+    """--only fpsa: fixed_point for the fpsa layer only, the others exact (one layer type's share of the
+    difference); a type the model lacks is refused with its types."""
+    out = tmp_path / "agreement.json"
+    cmd = [sys.executable, "bench/decode_agreement.py", "--config", "configs/tiny_mixed.yaml", "--quick",
+           "--depths", "1", "--out", str(out)]
+    proc = subprocess.run(cmd + ["--only", "fpsa"], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["layers"]) for r in rows] == [("exact", "fpsa"), ("fixed_point", "fpsa")]
+    assert rows[1]["max_logit_diff"] > 0 and rows[1]["iters_per_token"] >= 1
+    bad = subprocess.run(cmd + ["--only", "attractor"], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert bad.returncode != 0 and "no such looped layer" in bad.stderr and "fpsa" in bad.stderr

@@ -1,5 +1,5 @@
 """bench/profile_step.py on CPU at small width (what CI runs): the trainer's own step profiled, every
-category's share, kernels and host syncs per step, graph breaks; and fpscale.solvers.host_reads.count_syncs
+category's share, kernels and host syncs per step, graph breaks; and fpscale.profiling.count_syncs
 (the dispatch mode behind the host-sync count) on reads it must see and work it must not count."""
 import json
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpscale.solvers.host_reads import count_syncs
+from fpscale.profiling import count_syncs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -102,15 +102,14 @@ class FixedPointLayer(LoopedLayer):
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None, step_cache: StepCache | None = None,
-                    on_final: Callable[[], None] | None = None,
-                    after_replay: Callable[[], None] | None = None) -> torch.Tensor:
+                    count_entries: bool = False) -> torch.Tensor:
         """The layer's output for the solve of f from z0 (z*, or f(z*) after it where the backward
         mode's forward applies it: ``SolverConfig.eval_output``); ``real`` [B, T] marks the real
         tokens of left-padded rows (padding never holds up the stop test). ``step_cache``
         (decoding): f reads and records per-iteration entries (fpscale.layers.step_cache); the
         solve covers the past's iterations and f is applied to z* once more where the output
-        step did not record the final entry. ``on_final``: called when the loop ends (the solve's);
-        ``after_replay``: after each replay of a captured chunk (``SolveContext.after_replay``)."""
+        step did not record the final entry. ``count_entries``: ``last_stats.entry_iterations`` counts
+        each entry's iterations (SolveContext)."""
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
@@ -121,8 +120,8 @@ class FixedPointLayer(LoopedLayer):
                                    min_iter=step_cache.min_iter if step_cache is not None else 0,
                                    prefix=step_cache.prefix if step_cache is not None else None,
                                    group=self.entries_per_token, expect=self.expected_iterations(),
-                                   after_replay=after_replay,
-                                   on_final=_both(on_final, step_cache.on_final if step_cache is not None else None))
+                                   count_entries=count_entries,
+                                   on_final=step_cache.on_final if step_cache is not None else None)
         if step_cache is not None:
             step_cache.retired_at = self.last_stats.retired_at
             if not step_cache.finals:
@@ -131,16 +130,3 @@ class FixedPointLayer(LoopedLayer):
                     f(z.detach())
         return z
 
-
-def _both(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
-    """One hook calling each of ``hooks`` that is not None (None if none is)."""
-    hooks = tuple(h for h in hooks if h is not None)
-    if not hooks:
-        return None
-    if len(hooks) == 1:
-        return hooks[0]
-
-    def each() -> None:
-        for hook in hooks:
-            hook()
-    return each

@@ -213,10 +213,7 @@ class FPSAttention(FixedPointLayer):
             n_heads, z0 = 1, h
         self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
         self.entries_split = heads           # under TP each rank holds its own heads' entries
-        counter = EntryIterations(self.solver.freeze_converged, z0)
-
         def f(z):
-            counter.see(z)
             if steps is None:
                 return step(z, h, w_qk, v_all, cos, sin, scale, None, pad)
             keys: list = []
@@ -224,10 +221,10 @@ class FPSAttention(FixedPointLayer):
             steps.record(k=keys[0].contiguous())
             return out
 
-        # a CUDA graph's replay hands its outputs back: the counter takes its tensors out (solvers.chunked)
-        z = self.fixed_point(f, z0, real, steps, on_final=counter.solved, after_replay=counter.own)
-        self.last_stats = FPSAStats(self.last_stats, counter.result(z),  # type: ignore
-                                    n_heads, real, self.head_offset(n_heads) if heads else None)
+        # with freezing, the solver counts each entry's iterations (a frozen entry is not updated)
+        z = self.fixed_point(f, z0, real, steps, count_entries=self.solver.freeze_converged)
+        self.last_stats = FPSAStats(self.last_stats, n_heads, real,  # type: ignore
+                                    self.head_offset(n_heads) if heads else None)
         if heads:
             z = self.project(z)
         if cache is not None:
@@ -244,65 +241,15 @@ class FPSAttention(FixedPointLayer):
         return 0 if group is None else torch.distributed.get_rank(group) * n_local
 
 
-class EntryIterations:
-    """How many iterations each solver entry (a token, or a (token, head) pair) ran before it froze.
-
-    With ``solver.freeze_converged`` a frozen entry's iterate is bit-identical from one call of f to
-    the next, so comparing the iterate each call receives with the previous one counts the steps in
-    which an entry still changed: the loop's calls, and the first call after it (``solved``, the
-    solve's ``on_final``, comes between: that call receives z*, the later output steps and backward
-    calls do not count), or z* itself where nothing is applied after the loop (``result``). The
-    state is two tensors of fixed shape, so a compiled chunk of the loop is one graph whatever its
-    position, and ``own`` takes them out of a CUDA graph's pool after a replay
-    (fpscale.solvers.chunked). Without freezing every entry runs every iteration and nothing is
-    counted (``result`` is None)."""
-
-    def __init__(self, enabled: bool, z0: torch.Tensor):
-        self.enabled, self.solving, self.closed = enabled, True, False
-        self.prev = z0.detach() if enabled else None          # the iterate of the latest call
-        self.total = torch.zeros(z0.shape[:2], dtype=torch.int32, device=z0.device) if enabled else None
-
-    def see(self, z: torch.Tensor) -> None:
-        if not self.enabled or self.closed:
-            return
-        with torch.no_grad():
-            z = z.detach()
-            self.total = self.total + self.changed(z, self.prev)
-            self.prev = z
-        self.closed = not self.solving          # the first call after the loop: f(z*)
-
-    def solved(self) -> None:
-        self.solving = False
-
-    def own(self) -> None:
-        if self.enabled:
-            self.prev, self.total = self.prev.clone(), self.total.clone()
-
-    @staticmethod
-    def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        return (new != old).reshape(*new.shape[:2], -1).any(-1).int()
-
-    def result(self, z_star: torch.Tensor) -> torch.Tensor | None:
-        """[B, entries] int32: the steps in which each entry changed (z0 -> ... -> z*)."""
-        if not self.enabled:
-            return None
-        if self.closed:
-            return self.total
-        with torch.no_grad():
-            return self.total + self.changed(z_star.detach(), self.prev)
-
-
 class FPSAStats:
-    """The solve's SolverStats plus, with freezing, the iterations each entry ran: per head
-    (``halting: head``, this rank's heads: ``head_offset`` is the first one's global index) and their
-    mean over real entries. Without freezing every entry ran ``iterations``. Every other attribute is
-    the solve's own object's, read through (the implicit backward sets ``backward_iterations`` on it
-    after the forward)."""
+    """The solve's SolverStats plus, with freezing, the iterations that updated each entry before it froze
+    (the solver's ``entry_iterations``, [B, T * H]) per head (``halting: head``, this rank's heads:
+    ``head_offset`` is the first one's global index) and their mean over real entries. Without freezing
+    every entry ran ``iterations``. Every other attribute is the solve's own object's, read through (the
+    implicit backward sets ``backward_iterations`` on it after the forward)."""
 
-    def __init__(self, base: SolverStats, entries: torch.Tensor | None, n_heads: int,
-                 real: torch.Tensor | None, head_offset: int | None):
-        self.base, self.entry_iterations, self.n_heads = base, entries, n_heads   # entries [B, T * H] int32
-        self.real, self.head_offset = real, head_offset
+    def __init__(self, base: SolverStats, n_heads: int, real: torch.Tensor | None, head_offset: int | None):
+        self.base, self.n_heads, self.real, self.head_offset = base, n_heads, real, head_offset
 
     def __getattr__(self, name: str):
         if name == "base":

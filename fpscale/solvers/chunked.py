@@ -109,14 +109,11 @@ def _compiled_chunk(code, graphed: bool = False) -> Callable:
     return _COMPILED[code, BACKEND, graphed]
 
 
-def _replay(compiled: Callable, args: tuple, after: Callable[[], None] | None = None):
+def _replay(compiled: Callable, args: tuple):
     """One replay of a captured chunk: a new step begins for the graph trees (the previous replay's outputs
-    may be overwritten), so what the solve keeps is cloned out of the graph's pool; ``after``
-    (``SolveContext.after_replay``: fpsa's entry counter) takes out the tensors a step keeps across calls."""
+    may be overwritten), so what the solve keeps is cloned out of the graph's pool."""
     torch.compiler.cudagraph_mark_step_begin()
     state, counts, words = compiled(*args)
-    if after is not None:
-        after()
     return (type(state)(*(None if t is None else t.clone() for t in state)),
             *(None if t is None else t.clone() for t in (counts, words)))
 
@@ -161,13 +158,13 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
     if not K and fused_wanted(cfg, z0, group=ctx.group, carried=carry is not None):
         return iterate_fused(step, z0, cfg, every=read_schedule(cfg, cap), limit=limit, consensus=consensus,
                              state_reduce=ctx.state_reduce, max_iter=cap, real=ctx.real, agree=agree,
-                             min_iter=low, prefix=ctx.prefix)
+                             min_iter=low, prefix=ctx.prefix, count_entries=ctx.count_entries)
     dev = z0.device
 
     def scalar(value: int) -> torch.Tensor:
         return torch.full((), value, dtype=torch.long, device=dev)
 
-    state = start_state(z0, cfg, ctx.group, carry)
+    state = start_state(z0, cfg, ctx.group, carry, ctx.count_entries)
     if K:           # a chunk of K: every iteration tested, agreement once per chunk
         last_only, fixed = False, True
         per_iteration = consensus if getattr(consensus, "every_iteration", False) else None
@@ -195,7 +192,7 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         if traced:
             try:
                 if graphed:
-                    return _replay(_compiled_chunk(code, True), args, ctx.after_replay)
+                    return _replay(_compiled_chunk(code, True), args)
                 return _compiled_chunk(code)(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 traced = graphed = False
@@ -266,4 +263,4 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
     return IterateResult(z=z, iterations=n, stopped_by=stopped_by, token_res=state.token_res,
                          token_converged=state.token_res < cfg.tol, eta=state.eta,
                          carry=Carry(state.eta, state.best, state.patience_left, state.frozen, state.token_res),
-                         retired_at=state.retired_at)
+                         retired_at=state.retired_at, entry_iters=state.entry_iters)

@@ -64,10 +64,10 @@ from typing import Callable
 
 import torch
 
+from fpscale.profiling import _ACTIVE as COUNTING
+from fpscale.profiling import opaque_kernel, tensor_bytes
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.host_reads import _ACTIVE as COUNTING
-from fpscale.solvers.host_reads import opaque_kernel, tensor_bytes
-from fpscale.solvers.loop_state import NEVER, IterateResult, check_step_output, state_dtype
+from fpscale.solvers.loop_state import NEVER, IterateResult, check_step_output, entry_changed, state_dtype
 
 FUSED_ERROR: Exception | None = None
 try:
@@ -405,7 +405,8 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig, *,
                   every: int | None, limit: int, consensus, state_reduce, max_iter: int,
-                  real: torch.Tensor | None, agree=None, min_iter: int = 0, prefix: torch.Tensor | None = None):
+                  real: torch.Tensor | None, agree=None, min_iter: int = 0, prefix: torch.Tensor | None = None,
+                  count_entries: bool = False):
     """``fpscale.solvers.iterate.iterate`` without Anderson and without autograd through the loop,
     its bookkeeping in the four kernels above; ``every`` is its read schedule, ``limit`` the number
     of samples that may stay unconverged (``quantile_limit``)."""
@@ -433,6 +434,7 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
     eta, eta_next = full(U, cfg.damping), torch.empty(U, dtype=dtype, device=dev)
     alive, first_bad = full(1, 1, torch.int32), full(1, max_iter, torch.long)
     frozen, token_res = full(N, 0, torch.int8), full(N, float("inf"))
+    entry_iters = torch.zeros(N, dtype=torch.int32, device=dev) if count_entries else None
     real8 = real.to(torch.int8).contiguous() if real is not None else frozen
     block_d = min(_pow2(D), 256)
     block_r = max(1, min(_pow2(N), 4096 // block_d))
@@ -468,6 +470,8 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
         _launch(_update, grid_rows, z, fz, z_next, eta, frozen, token_res, res, alive, consts, N, D, T,
                 eta_next, retire, retired_at, k, FREEZE=cfg.freeze_converged, TOKEN=token, BLOCK_R=block_r,
                 BLOCK_D=block_d, enable_fp_fusion=False)
+        if entry_iters is not None:      # the steps in which each entry changed (SolveContext.count_entries)
+            entry_iters += entry_changed(z_next, z).view(-1)
         z, eta, eta_next = z_next, eta_next, eta
         if k == max_iter or (every is not None and k % every == 0):
             n_unconverged, met, stalled, nonfinite, bad_at = decision.tolist()
@@ -480,4 +484,4 @@ def iterate_fused(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor
     token_res = token_res.view(B, T)
     return IterateResult(z=z, iterations=k, stopped_by=stopped_by, token_res=token_res,
                          token_converged=token_res < cfg.tol, eta=eta.view(B, T) if token else eta,
-                         retired_at=retired_at)
+                         retired_at=retired_at, entry_iters=None if entry_iters is None else entry_iters.view(B, T))

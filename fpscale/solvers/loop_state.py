@@ -19,6 +19,11 @@ def check_step_output(fz, z: torch.Tensor) -> None:
         raise ValueError(f"solve: f(z) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
 
 
+def entry_changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """[B, T] int32: 1 where an entry's value differs between two iterates ([B, T, ...])."""
+    return (new != old).reshape(*new.shape[:2], -1).any(-1).int()
+
+
 @dataclass
 class Carry:
     """Algorithm 1's per-sample state where one call of ``iterate`` ends and the next goes on with
@@ -44,3 +49,4 @@ class IterateResult:
     eta: torch.Tensor             # [B] damping per sample when the solve ended
     carry: Carry | None = None    # the state a next call goes on from (the PyTorch loops)
     retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (per token)
+    entry_iters: torch.Tensor | None = None  # [B, T] int32: iterations that changed each entry (count_entries)

@@ -112,7 +112,8 @@ def stats_of(result: IterateResult, cap: int, tol: float) -> SolverStats:
     """The statistics of a loop's result (its cap and applied tolerance)."""
     return SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
-                       final_eta=result.eta, tol=tol, retired_at=result.retired_at)
+                       final_eta=result.eta, tol=tol, retired_at=result.retired_at,
+                       entry_iterations=result.entry_iters)
 
 
 def differentiable(f: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, cfg: SolverConfig,

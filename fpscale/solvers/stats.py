@@ -49,6 +49,7 @@ class SolverStats:
     windows: int | None = None      # deep supervision: windows supervised before the final one
     retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (decisions: token)
     window: int | None = None       # deep supervision: iterations per window
+    entry_iterations: torch.Tensor | None = None   # [B, T] int32: iterations that changed each entry (count_entries)
 
     @property
     def nonfinite(self) -> bool:

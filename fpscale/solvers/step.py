@@ -27,7 +27,7 @@ import torch
 
 from fpscale.solvers.anderson import mix, new_history, sample_residual
 from fpscale.solvers.config import SolverConfig
-from fpscale.solvers.loop_state import NEVER, Carry, check_step_output, state_dtype
+from fpscale.solvers.loop_state import NEVER, Carry, check_step_output, entry_changed, state_dtype
 from fpscale.solvers.stats import STOP_REASONS
 from fpscale.solvers.stop_rule import StopFlags, stop_residual
 
@@ -64,9 +64,11 @@ class SolveContext:
     min_iter      no stop rule ends the solve before this many iterations (cached decoding)
     max_iter      this call's cap (None: the config's, training or evaluation)
     on_final      called once the loop ended, before f is applied to z* (cached decoding's caches,
-                  fpscale.layers.step_cache; fpsa's entry counter)
-    after_replay  called after each replay of a captured chunk (``solver.cuda_graph``): a step that keeps
-                  tensors across calls takes them out of the graph's pool (fpsa's entry counter)
+                  fpscale.layers.step_cache)
+    count_entries the result counts, per entry (a row of z: a token, or fpsa's (token, head)), the iterations
+                  that changed it (``IterateResult.entry_iters``, ``SolverStats.entry_iterations``: fpsa's
+                  per-head counts; a head whose value reached its fixed point stops counting before its token
+                  retires, the unit that freezes under ``decisions: token``)
     expect        the iterations this solve is expected to take (the layer's previous solve, with
                   ``solver.chunk_schedule: expected``): a chunked solve launches that many iterations'
                   chunks before its first host read (fpscale.solvers.chunked)
@@ -81,7 +83,7 @@ class SolveContext:
     max_iter: int | None = None
     on_final: Callable[[], None] | None = None
     expect: int | None = None
-    after_replay: Callable[[], None] | None = None
+    count_entries: bool = False
 
 
 class LoopState(NamedTuple):
@@ -93,6 +95,7 @@ class LoopState(NamedTuple):
     frozen: torch.Tensor          # [B, T] bool
     token_res: torch.Tensor       # [B, T] the last finite residual
     retired_at: torch.Tensor      # [B] long: the iteration the last token retired (NEVER)
+    entry_iters: torch.Tensor | None   # [B, T] int32: iterations that changed each entry (count_entries)
     running: torch.Tensor         # [] bool
     iters: torch.Tensor           # [] long: iterations counted
     reason: torch.Tensor          # [] long: STOP_REASONS index (max_iter while running)
@@ -102,8 +105,10 @@ class LoopState(NamedTuple):
     last_f: torch.Tensor | None   # the last f(z) (Attractor's variant returns it)
 
 
-def start_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1, carry: Carry | None = None) -> LoopState:
-    """The state before the first iteration: a fresh Algorithm 1 state, or a previous call's ``carry``."""
+def start_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1, carry: Carry | None = None,
+                count_entries: bool = False) -> LoopState:
+    """The state before the first iteration: a fresh Algorithm 1 state, or a previous call's ``carry``;
+    ``count_entries``: with a per-entry count of the iterations that change it."""
     dtype, dev = state_dtype(z0.dtype), z0.device
     c = carry if carry is not None else fresh_state(z0, cfg, group)
     z = z0.to(dtype)
@@ -114,7 +119,9 @@ def start_state(z0: torch.Tensor, cfg: SolverConfig, group: int = 1, carry: Carr
     hist_x, hist_f, hist_n = new_history(z, cfg) if cfg.anderson else (None, None, None)
     last_f = z.clone() if cfg.anderson and cfg.anderson_variant == "attractor" else None
     return LoopState(z, c.eta, c.best, c.patience_left, c.frozen, c.token_res,
-                     torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev), scalar(True, torch.bool),
+                     torch.full((z0.shape[0],), NEVER, dtype=torch.long, device=dev),
+                     torch.zeros(z0.shape[:2], dtype=torch.int32, device=dev) if count_entries else None,
+                     scalar(True, torch.bool),
                      scalar(0), scalar(MAX_ITER), hist_x, hist_f, hist_n, last_f)
 
 
@@ -280,7 +287,7 @@ def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveCon
         z_next = damped(s.z, fz, s.eta, by_token, ctx.group)
     if last_f is not None:
         last_f = torch.where(update, fz, last_f) if masked else fz
-    frozen, retired_at = s.frozen, s.retired_at
+    frozen, retired_at, entry_iters = s.frozen, s.retired_at, s.entry_iters
     if by_token or cfg.freeze_converged:
         z_next = torch.where(per_token(frozen, s.z), s.z, z_next)
     z = torch.where(update, z_next, s.z) if masked else z_next
@@ -292,6 +299,8 @@ def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveCon
             newly, prefix_done = counts.retire(res, tol, k, ctx.prefix, ctx.group)
             frozen = held(frozen | newly, frozen)
             retired_at = torch.where(update & prefix_done & (retired_at == NEVER), k, retired_at)
+        if entry_iters is not None:     # the steps in which each entry changed (held or frozen: it does not)
+            entry_iters = entry_iters + entry_changed(z, s.z)
         token_res = held(res.to(s.token_res.dtype), s.token_res)
         eta = held(next_eta, s.eta)
         iters = torch.where(active, k, s.iters) if masked else s.iters      # (eager: the host counts)
@@ -307,6 +316,6 @@ def advance(step, s: LoopState, k, first: bool, cfg: SolverConfig, ctx: SolveCon
                                                                  torch.where(met, QUANTILE, ETA_MIN)))
             reason = torch.where(stop, code, reason)
             running = running & ~stop
-    state = LoopState(z, eta, best, patience_left, frozen, token_res, retired_at, running, iters, reason,
+    state = LoopState(z, eta, best, patience_left, frozen, token_res, retired_at, entry_iters, running, iters, reason,
                       hist_x, hist_f, hist_n, last_f)
     return state, counts, active

@@ -169,7 +169,7 @@ def test_attractor_solve_reads_the_host_once_per_read_iteration(check_every):
     """Their loop reads rel.max(), the solve's info flag and two finiteness checks per iteration
     (solvers.py:79, 88, 98, 109); fpscale's variant of it reads the stop decision once per iteration,
     or once every ``check_every`` (and at the cap)."""
-    from fpscale.solvers.host_reads import count_host_reads
+    from fpscale.profiling import count_host_reads
     f, x, _ = tanh_map()
     cfg = SolverConfig(max_iter=60, tol=1e-6, min_iter=4, check_every=check_every, **ATTRACTOR)
     with torch.no_grad(), count_host_reads() as reads:

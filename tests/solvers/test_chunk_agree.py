@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fpscale.solvers.chunked as chunked
+from fpscale.profiling import count_host_reads
 from fpscale.solvers import SolverConfig
-from fpscale.solvers.host_reads import count_host_reads
 from fpscale.solvers.iterate import iterate
 from tests.solvers.test_chunked import contraction
 

@@ -11,8 +11,8 @@ import torch
 
 import fpscale.solvers.chunked as chunked
 from fpscale.errors import ConfigError
+from fpscale.profiling import count_host_reads
 from fpscale.solvers import SolverConfig, solve
-from fpscale.solvers.host_reads import count_host_reads
 from fpscale.solvers.iterate import iterate
 from tests.models.helpers import tiny_model, token_batches
 
@@ -145,8 +145,8 @@ def test_tiny_models_train_as_eager_in_float64(kind, backward, eager_chunks):
 def test_compiled_chunk_has_no_graph_break_and_no_recompilation(kind, monkeypatch):
     """Evaluation solves (no grad) at 5 depths: 1 to 4 chunks of 4, the last one cut by the cap: one
     graph, compiled once, no break, no recompilation; as the eager chunk computes. ``fpsa_frozen``:
-    freezing on, so f carries fpsa's entry counter from chunk to chunk (tensors of one shape: no
-    recompilation per chunk), counting as the eager loop does. Graph breaks and
+    freezing on, so the chunk's state carries fpsa's per-entry counts (``count_entries``: a tensor of one
+    shape, no recompilation per chunk), counting as the eager loop does. Graph breaks and
     recompilations are dynamo's: the aot_eager backend counts them without Inductor's C++ build
     (the Inductor-compiled chunk: test_compiled_chunks_train_as_eager, bench/compile_counts.py)."""
     from torch._dynamo.utils import counters

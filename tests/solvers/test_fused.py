@@ -24,8 +24,8 @@ import torch
 
 import fpscale
 from fpscale.errors import ConfigError
+from fpscale.profiling import count_aten_ops, count_host_reads
 from fpscale.solvers import SolverConfig, fused
-from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
 from fpscale.solvers.iterate import iterate
 from fpscale.typed import from_dict
 from tests.interpreter import run_kernel_tests_interpreted
@@ -140,6 +140,22 @@ def test_kernel_fused_equals_the_pytorch_loop(case, dtype, decisions):
     expected = {"quantile": "quantile", "cap": "max_iter", "eta_min stall": "eta_min",
                 "tol 0 (one read)": "max_iter"}.get(case, "converged")
     assert a.stopped_by == expected, a.stopped_by
+
+
+@interpreted
+@pytest.mark.parametrize("decisions", ["token", "sample"])
+@pytest.mark.parametrize("case", ["freeze", "check_every 4 freeze", "cap"])
+def test_kernel_per_entry_counts_as_the_pytorch_loop(case, decisions):
+    """``count_entries`` (fpsa's per-head iterations): the steps in which each entry changed, as the PyTorch
+    loop counts them."""
+    cfg = SolverConfig(**{"max_iter": 40, "decisions": decisions, **CASES[case]})
+    out = []
+    for mode in ("torch", "fused"):
+        f, z0 = contraction(torch.float32)
+        with torch.no_grad():
+            out.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=0.0, count_entries=True))
+    assert_same(*out)
+    assert out[1].entry_iters.shape == z0.shape[:2] and torch.equal(out[0].entry_iters, out[1].entry_iters)
 
 
 @interpreted

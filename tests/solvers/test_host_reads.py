@@ -2,7 +2,7 @@
 at most one per iteration with a live stop, one per N iterations with ``check_every: N``, whose
 iterates are the eager solve's; solver statistics reach the host in one read per log step.
 
-Reads are counted by patching the tensor-to-host methods (fpscale.solvers.host_reads): on a CPU
+Reads are counted by patching the tensor-to-host methods (fpscale.profiling): on a CPU
 ``.cpu()`` and ``.tolist()`` are cheap, but each is a synchronisation on a GPU."""
 import math
 
@@ -11,8 +11,8 @@ import torch
 
 import fpscale.solvers.iterate as iterate_module
 from fpscale.errors import ConfigError
+from fpscale.profiling import count_aten_ops, count_host_reads
 from fpscale.solvers import SolverConfig, solve
-from fpscale.solvers.host_reads import count_aten_ops, count_host_reads
 from fpscale.solvers.iterate import StopFlags, read_schedule
 from fpscale.solvers.stats import to_dicts
 from fpscale.train.trainer import as_dicts, collect_layer_stats

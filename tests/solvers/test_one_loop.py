@@ -122,7 +122,7 @@ def test_expected_schedule_reads_once_where_the_solve_takes_what_it_took(expect_
     the first read. The result is the eager loop's whatever the expectation; the reads are 1 where the solve
     takes what was expected (or fewer), one more per iteration beyond it; the applications of f are the
     iterations taken where the expectation is not above them (no masked iteration after the stop)."""
-    from fpscale.solvers.host_reads import count_host_reads
+    from fpscale.profiling import count_host_reads
     monkeypatch.setattr(chunked, "COMPILE", False)
     f, z0 = contraction()
     cfg = SolverConfig(**FEATURES["half"], max_iter=60)
@@ -141,3 +141,32 @@ def test_expected_schedule_reads_once_where_the_solve_takes_what_it_took(expect_
     same(a, b)
     assert reads.total == 1 + max(0, -expect_shift)
     assert len(calls) == max(a.iterations, expect)
+
+
+@pytest.mark.parametrize("mode", ["eager", *MODES])
+@pytest.mark.parametrize("feature", ["freeze", "sample_freeze", "all", "cap", "anderson_freeze"])
+def test_per_entry_counts_are_the_steps_each_entry_changed_in_every_mode(feature, mode, monkeypatch):
+    """``count_entries`` (fpsa's per-head iterations): the solver's count per entry is the number of steps in
+    which that entry of the iterate changed, recounted here from the iterates f received and the result, and
+    equal in every mode."""
+    monkeypatch.setattr(chunked, "COMPILE", False)
+    f, z0 = contraction()
+    seen = []
+
+    def recording(z):
+        seen.append(z.clone())
+        return f(z)
+    cfg = SolverConfig(**FEATURES[feature], **MODES.get(mode, {}))
+    with torch.no_grad():
+        out = chunked.run_loop(recording, z0, cfg, quantile=0.0, count_entries=True)
+    iterates = [*seen, out.z]
+    recount = sum((b != a).any(-1).int() for a, b in zip(iterates, iterates[1:]))
+    assert out.entry_iters.dtype == torch.int32 and torch.equal(out.entry_iters, recount)
+    if "freeze" in feature:                      # entries froze at different steps
+        assert out.entry_iters.unique().numel() > 1
+    eager = chunked.run_loop(f, z0, SolverConfig(**FEATURES[feature]), quantile=0.0, count_entries=True)
+    if mode == "check_every_3":       # it may read (and stop) later: the counts of an entry can only grow
+        assert bool((out.entry_iters >= eager.entry_iters).all())
+    else:
+        assert torch.equal(out.entry_iters, eager.entry_iters)
+    assert chunked.run_loop(f, z0, cfg, quantile=0.0).entry_iters is None          # not asked: not counted

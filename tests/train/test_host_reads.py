@@ -1,4 +1,4 @@
-"""The training step on the device's terms, counted on CPU with fpscale.solvers.host_reads.count_syncs (a dispatch
+"""The training step on the device's terms, counted on CPU with fpscale.profiling.count_syncs (a dispatch
 mode seeing ``aten._local_scalar_dense`` and the reading Tensor methods): with torch's fused AdamW (what
 CUDA runs; forced on CPU here) one host read per step, the loss and the gradient norm together, and none in
 the forward of a plain stack; a non-finite step skipped on the device; the next step's batches prefetched
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fpscale
-from fpscale.solvers.host_reads import count_syncs
+from fpscale.profiling import count_syncs
 from fpscale.train import optim
 from fpscale.train.trainer import Trainer
 
