@@ -17,7 +17,7 @@ import pytest
 import fpscale
 from fpscale.train.config import resolve_batch
 from fpscale.train.trainer import deepspeed_config
-from tests.parallel.launch import ROOT, read_ranks, run, torchrun, torchrun_command
+from tests.parallel.launch import ROOT, pinned, read_ranks, run, torchrun, torchrun_command
 
 FP32_KEYS = {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
 
@@ -151,6 +151,9 @@ BF16_RUN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "
             "model.max_seq_len=32", "train.micro_batch=2", "train.global_batch=8", "train.steps=4",
             "train.warmup=2", "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=2",
             "train.keep_last=0", "train.export_final=false", "solver.stop_quantile=0.0", "train.precision=bf16"]
+# fixed solver depths (issue 49): ZeRO-1's checkpoint resumed on ZeRO-2 reduces in another order, where a
+# tolerance stop near its threshold could flip an iteration and move the loss past the comparison's bound
+BF16_RUN += pinned("configs/tiny_mixed.yaml", BF16_RUN)
 
 
 STAGES = (0, 1, 2, 3)
