@@ -83,6 +83,12 @@ class ConfigWarning(UserWarning):
     """A configuration value that works, but not as its name suggests (or was adjusted)."""
 
 
+class ConfigDeprecation(FutureWarning):
+    """A config key in an older form (a flat ``solver.tol``, now ``solver.forward.tol``): it loads, and the
+    message names the key to write. A FutureWarning, Python's category for deprecations meant for the user
+    (shown by default, as fpscale.models.moved's), not a ConfigWarning (the value works as its name says)."""
+
+
 def warn(key: str, message: str) -> None:
     """Warn about ``key`` the way ``check`` raises: the message names the key."""
     import warnings
