@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -307,6 +306,11 @@ class SolverConfig:
         return self.eval_max_iter or self.max_iter
 
 
+def _view(part: str, name: str) -> property:
+    def read(self: SolverConfig) -> Any:           # a Python function: dynamo inlines it in a compiled chunk
+        return getattr(getattr(self, part), name)
+    return property(read, doc=f"``{part}.{name}`` (read-only; write ``cfg.{part}.{name}``)")
+
+
 for _name, _part in PART_OF.items():       # cfg.tol reads cfg.forward.tol: read-only, one per field of a part
-    setattr(SolverConfig, _name, property(operator.attrgetter(f"{_part}.{_name}"),
-                                          doc=f"``{_part}.{_name}`` (read-only; write ``cfg.{_part}.{_name}``)"))
+    setattr(SolverConfig, _name, _view(_part, _name))

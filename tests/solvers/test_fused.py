@@ -312,9 +312,9 @@ def test_kernel_tp2_with_fused_bookkeeping_equals_the_whole_model(tmp_path):
 
 # ------------------------------------------------------------------- no kernel: the parent's tests
 def test_bookkeeping_is_validated_with_its_key():
-    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*'auto', 'fused', 'torch'"):
+    with pytest.raises(ConfigError, match=r"solver.execution.bookkeeping.*'auto', 'fused', 'torch'"):
         from_dict(SolverConfig, {"bookkeeping": "triton"}, "solver")
-    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*Anderson"):
+    with pytest.raises(ConfigError, match=r"solver.execution.bookkeeping.*Anderson"):
         fpscale.load_config(None, ["solver.bookkeeping=fused", "solver.anderson=3"])
 
 
