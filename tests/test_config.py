@@ -63,7 +63,8 @@ LOOPED = ["model.layers.0.type=fpsa"]
 @pytest.mark.parametrize("overrides,key", [
     (["solver.stop_quantile=0.1", "train.micro_batch=8"], "solver.forward.stop_quantile"),
     (["solver.stop_quantile=0.25", "train.micro_batch=2", "train.global_batch=8"], "solver.forward.stop_quantile"),
-    (["model.layers.0.solver={stop_quantile: 0.1}", "train.micro_batch=4"], "model.layers.0.solver.forward.stop_quantile"),
+    (["model.layers.0.solver={stop_quantile: 0.1}", "train.micro_batch=4"],
+     "model.layers.0.solver.forward.stop_quantile"),
 ])
 def test_an_inert_stop_quantile_warns_naming_the_key(overrides, key):
     """p * micro_batch < 1 tolerates no unconverged sample: the rule is p = 0 in disguise."""

@@ -78,10 +78,10 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     # test could end it on an adjoint that has since moved away. Its damping is per sample whatever
     # the forward's ``decisions``: the adjoint runs backward in time (u_t gathers the gradients of
     # tokens >= t), so causality is no rule for it, and ``backward_freeze`` alone decides its freezing
-    adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
-                                      stop_quantile=0.0, freeze_converged=cfg.backward_freeze,
-                                      stop_residual="current", decisions="sample",
-                                      min_iter=cfg.backward_min_iter)
+    adjoint_cfg = dataclasses.replace(cfg, forward=dataclasses.replace(
+        cfg.forward, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol, stop_quantile=0.0,
+        freeze_converged=cfg.backward_freeze, decisions="sample", min_iter=cfg.backward_min_iter),
+        compat=dataclasses.replace(cfg.compat, stop_residual="current"))
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask

@@ -86,7 +86,8 @@ def test_a_flat_yaml_loads_to_its_nested_form_warning_once_per_key_naming_the_ne
     ("solver.tol=1e-4", "solver.forward.tol=1e-4"),
     ("solver.chunk=4", "solver.execution.chunk=4"),
     ("model.layers.1.solver.tol=0.3", "model.layers.1.solver.forward.tol=0.3"),
-    ("model.layers.1.solver={tol: 0.3, backward: jfb}", "model.layers.1.solver={forward: {tol: 0.3}, adjoint: {backward: jfb}}"),
+    ("model.layers.1.solver={tol: 0.3, backward: jfb}",
+     "model.layers.1.solver={forward: {tol: 0.3}, adjoint: {backward: jfb}}"),
 ])
 def test_a_flat_override_equals_its_nested_form(flat, nested):
     base = ["model.layers=[{type: attn}, {type: fpsa}]"]
@@ -107,7 +108,8 @@ def test_the_later_word_wins_whatever_its_form(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("solver.forward.chunk=4", "'solver.forward.chunk': belongs to execution: write 'solver.execution.chunk'"),
-    ("solver.forward.tl=0.1", "'solver.forward.tl': unknown key for ForwardConfig (did you mean 'solver.forward.tol'?)"),
+    ("solver.forward.tl=0.1",
+     "'solver.forward.tl': unknown key for ForwardConfig (did you mean 'solver.forward.tol'?)"),
     ("solver.tl=0.1", "'solver.tl': unknown key for SolverConfig (did you mean 'solver.forward.tol'?)"),
     ("solver.adjoint=3", "'solver.adjoint': expected a mapping of AdjointConfig fields"),
     ("model.layers.1.solver.adjoint.tol=0.1",
@@ -135,7 +137,8 @@ def test_an_old_runs_flat_config_yaml_still_loads_for_resume_and_evaluate(tmp_pa
             spec["solver"] = {k: v for part in spec["solver"].values() for k, v in part.items()}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old, sort_keys=False))
-    for read in (lambda: fpscale.load_config(str(path)), lambda: from_dict(fpscale.Config, yaml.safe_load(path.read_text()))):
+    for read in (lambda: fpscale.load_config(str(path)),
+                 lambda: from_dict(fpscale.Config, yaml.safe_load(path.read_text()))):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             again = read()
