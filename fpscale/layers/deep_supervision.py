@@ -51,7 +51,7 @@ import torch
 from fpscale.errors import check
 from fpscale.layers.checkpointing import recompute
 from fpscale.solvers.chunked import run_loop
-from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
+from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig, key_of
 from fpscale.solvers.loop_state import Carry, IterateResult, state_dtype
 from fpscale.solvers.solve import differentiable, resolved, stats_of
 from fpscale.solvers.stats import SolverStats
@@ -60,10 +60,10 @@ from fpscale.solvers.step import SolveContext, fresh_state
 
 def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> None:
     """What a supervised layer's solver must be (errors name ``key``, the layer's solver section)."""
-    check(solver.backward != "unroll", f"{key}.backward",
+    check(solver.backward != "unroll", key_of("backward", key),
           "deep_supervision supervises its final window with the backward at the fixed point: phantom, jfb or "
-          "implicit, got unroll (windows of the whole solve are deep_supervision.window >= solver.max_iter)")
-    check(solver.anderson == 0, f"{key}.anderson",
+          "implicit, got unroll (windows of the whole solve are deep_supervision.window >= solver.forward.max_iter)")
+    check(solver.anderson == 0, key_of("anderson", key),
           f"deep_supervision carries Algorithm 1's damped step from window to window; Anderson mixing "
           f"(anderson = {solver.anderson}) has no such state: set anderson 0")
     check(not iterate_free, f"{key}", "deep_supervision needs a layer whose map reads its iterate "

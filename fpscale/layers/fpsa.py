@@ -206,7 +206,7 @@ class FPSAttention(FixedPointLayer):
             if self.solver.anderson and self.shards.consensus is not None:
                 raise ValueError("fpsa halting: head with solver.anderson under tensor parallelism: each rank "
                                  "holds its own heads' state, so Anderson's per-sample mixing would differ by "
-                                 "rank; set solver.anderson=0 or halting=token")
+                                 "rank; set solver.forward.anderson=0 or halting=token")
             z0 = h.new_zeros(h.shape[0], h.shape[1] * n_heads, self.head_dim)
             real = None if real is None else real.repeat_interleave(n_heads, dim=1)
         else:
