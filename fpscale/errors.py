@@ -38,7 +38,7 @@ class UserError(ReportedError):
 class ConfigError(UserError, ValueError):
     """A configuration value breaks a constraint.
 
-    ``key`` is the dotted path of the offending entry (``solver.max_iter``), so the message
+    ``key`` is the dotted path of the offending entry (``solver.forward.max_iter``), so the message
     always tells the user which line of their YAML or which override to fix.
     """
 

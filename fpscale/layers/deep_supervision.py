@@ -33,14 +33,14 @@ Deviations from the paper (say where a run differs):
     (``fpscale.layers.checkpointing.recompute``: its K iterations, the coda and the head run a second
     time), so the memory is one window's activations, as the paper's per-window backward, and the
     gradient is the paper's sum. What the trainer does (DeepSpeed's engine, ZeRO's hooks) is unchanged.
-  - the solver reads its stop decision every iteration in the windows (``solver.check_every`` is not
+  - the solver reads its stop decision every iteration in the windows (``solver.execution.check_every`` is not
     applied) and runs its PyTorch bookkeeping (not the fused kernels): the windows go on from the
     carried state, which only the PyTorch loop takes.
 
 Under tensor parallelism the windows follow the agreed stop (the consensus of every iteration), so
 every rank of a TP group takes the same windows. Data-parallel ranks run their own solves; with ZeRO-3
 the coda's parameters are gathered once per window over the DP group, so there the window count must be
-agreed over DP too (``solver.agree: dp``: the Trainer says so where it is missing).
+agreed over DP too (``solver.forward.agree: dp``: the Trainer says so where it is missing).
 """
 from __future__ import annotations
 
