@@ -44,7 +44,7 @@ LAYOUTS = {"zero1": (2, ["parallel.zero_stage=1"]), "zero3": (2, ["parallel.zero
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32", "model.max_seq_len=32",
         "train.micro_batch=4", "train.global_batch=16", "train.warmup=2", "train.log_interval=1",
         "train.eval_batches=2", "train.keep_last=2", "train.save_interval_minutes=0", "train.export_final=false",
-        "parallel.timeout_s=15", "solver.stop_quantile=0.0"]
+        "parallel.timeout_s=15", "solver.forward.stop_quantile=0.0"]
 PHASES = ("step", "val", "save", "hash")
 DELAY_S = {"step": 0.1, "val": 0.1, "save": 0.3, "hash": 0.1}     # about each phase's length here
 FAULT_LINE = re.compile(r"fault: (SIG\w+) to rank (\d+) \(pid \d+\) at (\w+) of step (\d+)")

@@ -29,7 +29,7 @@ def block_of(layer: str, mode: str, args) -> torch.nn.Module:
     cfg = fpscale.load_config(None, [
         f"model.layers=[{layer}]", f"model.d_model={args.d}", f"model.n_heads={args.heads}", "model.vocab_size=64",
         f"model.max_seq_len={args.T}", f"data.seq_len={args.T}", "model.dropout=0.1", "model.attn_dropout=0.1",
-        f"model.checkpoint={mode}", f"solver.max_iter={args.max_iter}", "solver.stop_quantile=0.0"])
+        f"model.checkpoint={mode}", f"solver.forward.max_iter={args.max_iter}", "solver.forward.stop_quantile=0.0"])
     torch.manual_seed(0)
     return fpscale.build_model(cfg).layers[0].to(args.device).train()
 

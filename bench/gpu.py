@@ -129,7 +129,7 @@ def throughput(path: str, args, flash: str) -> dict:
 def fits(path: str, micro: int, backward: str, args) -> bool:
     """One forward + backward at this micro-batch, the solver at exactly ``fit_iters`` iterations."""
     import torch
-    extra = [f"solver.backward={backward}", f"solver.max_iter={args.fit_iters}", "solver.tol=0",
+    extra = [f"solver.adjoint.backward={backward}", f"solver.forward.max_iter={args.fit_iters}", "solver.forward.tol=0",
              "solver.stop_quantile=0", f"solver.backward_max_iter={args.fit_iters}", "solver.backward_tol=0",
              "model.iteration_cap.dist=none", *args.override]
     trainer = None

@@ -47,8 +47,8 @@ import torch
 from common import print_table, write_json
 from gpu import data_source, sync, trainer_for
 
-SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.max_iter=8",
-         "solver.eval_max_iter=8", "train.precision=fp32"]
+SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.forward.max_iter=8",
+         "solver.forward.eval_max_iter=8", "train.precision=fp32"]
 CATEGORIES = ("communication", "loss_head", "optimizer", "attention", "matmul", "scan", "norm", "solver",
               "elementwise", "idle")
 RULES = [("communication", r"nccl|gloo|c10d|all_reduce|allreduce|all_gather|allgather|reduce_scatter|broadcast"),

@@ -33,7 +33,7 @@ def run(precision: str, d: int, T: int, B: int, iters: int, seed: int, gate: flo
              else ["solver.norm=sample_l2", "solver.decisions=sample", "solver.anderson_variant=attractor"])
     cfg = fpscale.load_config("configs/tiny_attractor.yaml", [*solve,
         f"model.d_model={d}", f"model.max_seq_len={T}", f"data.seq_len={T}", f"model.layers.1.gate_init={gate}",
-        "solver.tol=0.0",
+        "solver.forward.tol=0.0",
         f"solver.max_iter={iters}", f"solver.eval_max_iter={iters}", f"model.init_std={(2 / (5 * d)) ** 0.5}"])
     torch.manual_seed(seed)
     model = fpscale.build_model(cfg).eval()

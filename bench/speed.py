@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["125m_attn", "125m_fpsa", "125m_looped", "125m_epsilon", "125m_mamba1", "125m_mamba", "125m_fpmamba",
            "125m_fpmamba_authors", "140m_attractor"]
-SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.max_iter=8",
-         "solver.eval_max_iter=8"]
+SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.forward.max_iter=8",
+         "solver.forward.eval_max_iter=8"]
 
 
 def plan(args, out: Path) -> list[dict]:

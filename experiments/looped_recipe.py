@@ -31,7 +31,7 @@ VARIANTS = {      # name -> overrides of configs/tiny_looped.yaml after BASE, in
     "no cap": ["model.iteration_cap.dist=none"],
     "a1=0.75": [f"{CORE}.a1_init=0.75"],
     "a2=0.9": [f"{CORE}.a2_init=0.9"],
-    "phantom k=4": ["solver.phantom_steps=4"],
+    "phantom k=4": ["solver.adjoint.phantom_steps=4"],
     "a1=0.9,a2=0.9": [f"{CORE}.a1_init=0.9", f"{CORE}.a2_init=0.9"],
     "shipped, seed 2": ["seed=2"],
     "a1=0.75, seed 2": [f"{CORE}.a1_init=0.75", "seed=2"],

@@ -1,15 +1,15 @@
 """The run configuration: typed sections loaded from YAML plus ``key.sub=value`` overrides.
 
-    cfg = fpscale.load_config("configs/tiny_mixed.yaml", overrides=["solver.max_iter=12"])
+    cfg = fpscale.load_config("configs/tiny_mixed.yaml", overrides=["solver.forward.max_iter=12"])
 
 Every section validates itself on load; a mistake raises :class:`fpscale.ConfigError` naming
 the key and the constraint it broke. What works but not as asked warns, naming the key: a
 ``stop_quantile`` that tolerates no sample at this micro-batch, or (in bf16) a solver tolerance
-below what bf16 resolves, which is raised to the floor (the run's config.yaml records it).
+below what bf16 resolves, which is raised to the floor (the run's config.yaml records it). A key
+in an older form (a flat ``solver.tol``) loads with a ``ConfigDeprecation`` naming today's key.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,11 +19,11 @@ from fpscale.data.config import DataConfig
 from fpscale.errors import check, warn
 from fpscale.models.config import DecodeConfig, ModelConfig
 from fpscale.parallel.config import ParallelConfig
-from fpscale.solvers.config import SolverConfig
+from fpscale.solvers.config import PART_OF, SolverConfig, key_of
 from fpscale.solvers.iterate import quantile_limit
 from fpscale.solvers.precision import residual_floor, unreachable
 from fpscale.train.config import TrainConfig
-from fpscale.typed import apply_override, from_dict, load_yaml, to_dict
+from fpscale.typed import apply_override, from_dict, load_yaml, merge, to_dict, upgrade_data
 
 
 @dataclass
@@ -73,8 +73,11 @@ class Config:
         """What a looped layer's solver can do in this run's geometry and precision: {key: warning}.
         A tolerance below bf16's floor is raised where it was set (this layer's overrides or the
         top-level section)."""
+        def mine(name: str) -> bool:           # set by this layer's overrides
+            return name in overrides.get(PART_OF[name], {})
+
         def key(name: str) -> str:
-            return f"model.layers.{i}.solver.{name}" if name in overrides else f"solver.{name}"
+            return key_of(name, f"model.layers.{i}.solver" if mine(name) else "solver")
 
         out = {}
         p = solver.stop_quantile
@@ -89,26 +92,16 @@ class Config:
             if unreachable(getattr(solver, name), torch.bfloat16, norm=solver.norm):
                 out[key(name)] = (f"{getattr(solver, name):g} is below what a bf16 map resolves (relative residual "
                                   f"floor {floor:.3g}, docs/solver.md 'Precision'): raised to {floor:.3g}")
-                if name in overrides:
-                    overrides[name] = floor
+                if mine(name):
+                    overrides[PART_OF[name]][name] = floor
                 else:
-                    setattr(self.solver, name, floor)
+                    setattr(getattr(self.solver, PART_OF[name]), name, floor)
         return out
 
 
-def _merge(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` over ``base``: mappings merge key by key, anything else (lists too) replaces."""
-    out = dict(base)
-    for key, value in data.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key."""
+    """Defaults, then ``data`` (YAML), then the overrides, so an override can reach any key. Keys in an
+    older form are brought to today's (``upgrade_data``) before the defaults and after each override."""
     if not isinstance(data, dict):
         raise TypeError("config data must be a mapping")
     section = data.get("parallel") or {}
@@ -118,9 +111,10 @@ def config_from_dict(data: dict[str, Any], overrides: Sequence[str] = ()) -> Con
     # the default layer entries as their type and non-default fields only: an override that changes an
     # entry's type (model.layers.0.type=fpsa) must not carry the fields of the default type along
     base["model"]["layers"] = [_set_fields(spec) for spec in Config().model.layers]
-    data = _merge(base, data)
+    data = merge(base, upgrade_data(Config, data))
     for override in overrides:
         apply_override(data, override)
+        data = upgrade_data(Config, data)
         asked = asked or override.split("=", 1)[0].strip() == "parallel.zero_stage"     # ... by an override
     cfg = from_dict(Config, data)
     if cfg.parallel.engine == "auto" and asked and cfg.parallel.zero_stage > 0:

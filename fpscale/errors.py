@@ -38,7 +38,7 @@ class UserError(ReportedError):
 class ConfigError(UserError, ValueError):
     """A configuration value breaks a constraint.
 
-    ``key`` is the dotted path of the offending entry (``solver.max_iter``), so the message
+    ``key`` is the dotted path of the offending entry (``solver.forward.max_iter``), so the message
     always tells the user which line of their YAML or which override to fix.
     """
 
@@ -81,6 +81,12 @@ class PeerLost(ReportedError, RuntimeError):
 
 class ConfigWarning(UserWarning):
     """A configuration value that works, but not as its name suggests (or was adjusted)."""
+
+
+class ConfigDeprecation(FutureWarning):
+    """A config key in an older form (a flat ``solver.tol``, now ``solver.forward.tol``): it loads, and the
+    message names the key to write. A FutureWarning, Python's category for deprecations meant for the user
+    (shown by default, as fpscale.models.moved's), not a ConfigWarning (the value works as its name says)."""
 
 
 def warn(key: str, message: str) -> None:

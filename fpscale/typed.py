@@ -5,19 +5,26 @@ Every dataclass used as a config section may define ``validate(self, prefix: str
 called after the section is built and raises :class:`fpscale.errors.ConfigError` naming the key.
 A dataclass annotation may stand for a tagged union: a classmethod ``select(data, key)`` returns
 the dataclass to build from ``data`` (``model.layers`` entries pick their layer type's class).
+A dataclass whose keys moved defines a classmethod ``upgrade(data, key)`` that rewrites data in the
+older form before it is built (``nest``: flat keys into sub-sections, one ``ConfigDeprecation`` per
+key naming the new one); ``upgrade_data`` runs every hook of a config tree on plain data, so a
+loader can bring the YAML to today's form before it merges the overrides in (the later word wins).
 Nothing here knows about any particular section.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import types
 import typing
+import warnings
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from fpscale.errors import ConfigError
+from fpscale.errors import ConfigDeprecation, ConfigError
 
 
 def _type_name(tp: Any) -> str:
@@ -94,22 +101,30 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} for {key}")
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def _unknown(owner: str, key: Any, known: dict[str, str], listed: list[str], prefix: str) -> ConfigError:
+    """The error for an unknown ``key``: the closest of ``known`` (name -> its full path under prefix)."""
+    close = ([k for k in known if k.startswith(str(key)) or str(key).startswith(k)]
+             or difflib.get_close_matches(str(key), list(known), n=1))
+    hint = f" (did you mean '{_join(prefix, known[close[0]])}'?)" if close else ""
+    return ConfigError(_join(prefix, key), f"unknown key for {owner}{hint}; known keys: {', '.join(listed)}")
 
 
 def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types name the key."""
     data = dict(data or {})
+    upgrade = getattr(cls, "upgrade", None)
+    if upgrade is not None:
+        data = upgrade(data, prefix)
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            close = ([f for f in fields if f.startswith(str(key)) or str(key).startswith(f)]
-                     or difflib.get_close_matches(str(key), list(fields), n=1))
-            hint = f" (did you mean '{_join(prefix, close[0])}'?)" if close else ""
-            raise ConfigError(_join(prefix, key), f"unknown key for {cls.__name__}{hint}; "
-                              f"known keys: {', '.join(fields)}")
+            raise _unknown(cls.__name__, key, {f: f for f in fields}, list(fields), prefix)
     kwargs = {}
     for name, field in fields.items():
         if name in data:
@@ -121,6 +136,79 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
     if validate is not None:
         validate(prefix)
     return obj
+
+
+def nest(data: dict[str, Any], parts: dict[str, str], prefix: str, owner: str | None = None,
+         warn: bool = True) -> dict[str, Any]:
+    """``data`` with each flat key of ``parts`` (name -> its sub-section) moved into its sub-section, one
+    ``ConfigDeprecation`` per key naming the new key (``warn``). A flat key wins over the same key already
+    nested: it is the later word (an override ``solver.tol=...`` over a nested YAML; ``upgrade_data`` brings
+    the YAML to the nested form before the overrides apply). A nested key in another sub-section is refused
+    naming both keys; with ``owner`` (the class the sections make up) so is any other unknown key."""
+    sections = list(dict.fromkeys(parts.values()))
+    out = {k: dict(v) if k in sections and isinstance(v, dict) else v for k, v in data.items()}
+    for name in [k for k in data if k in parts]:
+        section, new = parts[name], _join(prefix, f"{parts[name]}.{name}")
+        if not isinstance(out.setdefault(section, {}), dict):
+            raise ConfigError(_join(prefix, section), f"expected a mapping, got {out[section]!r}")
+        out[section][name] = out.pop(name)
+        if warn:
+            warnings.warn(ConfigDeprecation(f"config key '{_join(prefix, name)}' is now '{new}': the flat key "
+                                             f"loads, the nested one is the form to write"), stacklevel=3)
+    for section in sections:
+        sub = out.get(section)
+        for name in sub if isinstance(sub, dict) else ():
+            if parts.get(name, section) != section:
+                raise ConfigError(_join(prefix, f"{section}.{name}"), f"belongs to {parts[name]}: write "
+                                  f"'{_join(prefix, f'{parts[name]}.{name}')}'")
+    unknown = [key for key in out if key not in sections]
+    if owner is not None and unknown:
+        known = {**{s: s for s in sections}, **{n: f"{s}.{n}" for n, s in parts.items()}}
+        raise _unknown(owner, unknown[0], known, sections, prefix)
+    return out
+
+
+def upgrade_data(cls: type, data: Any, prefix: str = "") -> Any:
+    """Plain ``data`` for dataclass ``cls`` with the ``upgrade`` hook of ``cls`` and of every dataclass under
+    it applied (a new dict; what does not parse is left for ``from_dict`` to report)."""
+    if not isinstance(data, dict):
+        return data
+    select = getattr(cls, "select", None)
+    if select is not None:
+        try:
+            cls = select(data, prefix)
+        except ConfigError:
+            return data
+    upgrade = getattr(cls, "upgrade", None)
+    data = upgrade(data, prefix) if upgrade is not None else dict(data)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            data[f.name] = _upgrade_value(data[f.name], hints[f.name], _join(prefix, f.name))
+    return data
+
+
+def _upgrade_value(value: Any, tp: Any, key: str) -> Any:
+    if get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in get_args(tp) if dataclasses.is_dataclass(a)]
+        return _upgrade_value(value, inner[0], key) if inner else value
+    if get_origin(tp) in (list, tuple) and isinstance(value, list):
+        item = (get_args(tp) or (Any,))[0]
+        return [_upgrade_value(v, item, _join(key, i)) for i, v in enumerate(value)]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return upgrade_data(tp, value, key)
+    return value
+
+
+def merge(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` over ``base``: mappings merge key by key, anything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def to_dict(obj: Any) -> Any:

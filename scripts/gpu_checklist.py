@@ -96,7 +96,7 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
             name = f"ds_zero{zero}" + ("_torch" if book == "torch" else "")
             steps.append({"name": name, "cap": 240, "read": "run", "run": out / "runs" / name,
                           "cmd": [*launcher, "launch/pretrain.py", *tiny, f"name={name}",
-                                  f"parallel.zero_stage={zero}", f"solver.bookkeeping={book}"]})
+                                  f"parallel.zero_stage={zero}", f"solver.execution.bookkeeping={book}"]})
     steps.append({"name": "ds_compare", "cap": 30, "read": "json",
                   "cmd": [py, str(ROOT / "scripts" / "gpu_checklist.py"), "--compare", str(out / "runs")]})
     recipes = [py, "bench/gpu.py", "--micro", "0", "--no-fit", "--plan", "--no-sdpa-twin",

@@ -29,10 +29,10 @@ def test_yaml_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("text,overrides,needle", [
     ("solver:\n  max_iters: 3\n", [],
-     "'solver.max_iters': unknown key for SolverConfig (did you mean 'solver.max_iter'?)"),
-    ("", ["solver.damping=0"], "'solver.damping': must lie in (0, 1]"),
-    ("", ["solver.max_iter=many"], "'solver.max_iter': expected an integer, got 'many'"),
-    ("", ["solver.freeze_converged=1"], "'solver.freeze_converged': expected true or false"),
+     "'solver.max_iters': unknown key for SolverConfig (did you mean 'solver.forward.max_iter'?)"),
+    ("", ["solver.damping=0"], "'solver.forward.damping': must lie in (0, 1]"),
+    ("", ["solver.max_iter=many"], "'solver.forward.max_iter': expected an integer, got 'many'"),
+    ("", ["solver.freeze_converged=1"], "'solver.forward.freeze_converged': expected true or false"),
     ("", ["solver"], "an override must look like key.sub=value"),
     ("seed: 5\n", ["seed.value=3"], "'seed': is a value (5), it has no sub-keys"),
     ("solver: 3\n", [], "'solver': expected a mapping of SolverConfig fields"),
@@ -61,9 +61,10 @@ LOOPED = ["model.layers.0.type=fpsa"]
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["solver.stop_quantile=0.1", "train.micro_batch=8"], "solver.stop_quantile"),
-    (["solver.stop_quantile=0.25", "train.micro_batch=2", "train.global_batch=8"], "solver.stop_quantile"),
-    (["model.layers.0.solver={stop_quantile: 0.1}", "train.micro_batch=4"], "model.layers.0.solver.stop_quantile"),
+    (["solver.stop_quantile=0.1", "train.micro_batch=8"], "solver.forward.stop_quantile"),
+    (["solver.stop_quantile=0.25", "train.micro_batch=2", "train.global_batch=8"], "solver.forward.stop_quantile"),
+    (["model.layers.0.solver={stop_quantile: 0.1}", "train.micro_batch=4"],
+     "model.layers.0.solver.forward.stop_quantile"),
 ])
 def test_an_inert_stop_quantile_warns_naming_the_key(overrides, key):
     """p * micro_batch < 1 tolerates no unconverged sample: the rule is p = 0 in disguise."""
@@ -85,9 +86,9 @@ def test_bf16_raises_unreachable_tolerances_to_the_floor_naming_the_key():
     floor = residual_floor(torch.bfloat16)
     base = LOOPED + ["solver.tol=1e-3", "model.layers.0.solver={backward: implicit, backward_tol: 1e-4}"]
     cfg, seen = config_warnings(base + ["train.precision=bf16"])
-    assert sorted(m.split("'")[1] for m in seen) == ["model.layers.0.solver.backward_tol", "solver.tol"]
+    assert sorted(m.split("'")[1] for m in seen) == ["model.layers.0.solver.adjoint.backward_tol", "solver.forward.tol"]
     assert all(f"raised to {floor:.3g}" in m for m in seen)
-    assert cfg.solver.tol == floor and cfg.model.layers[0].solver["backward_tol"] == floor
+    assert cfg.solver.tol == floor and cfg.model.layers[0].solver["adjoint"]["backward_tol"] == floor
     cfg, seen = config_warnings(base)               # fp32 resolves them: untouched, quiet
     assert seen == [] and cfg.solver.tol == 1e-3
 
@@ -97,7 +98,7 @@ def test_eval_max_iter_defaults_to_the_training_cap():
     assert cfg.solver.eval_iterations == 7
     cfg = fpscale.load_config(None, ["solver.max_iter=7", "solver.eval_max_iter=64"])
     assert cfg.solver.eval_iterations == 64
-    with pytest.raises(ConfigError, match=r"'solver.eval_max_iter': must be >= 0"):
+    with pytest.raises(ConfigError, match=r"'solver.forward.eval_max_iter': must be >= 0"):
         fpscale.load_config(None, ["solver.eval_max_iter=-1"])
 
 

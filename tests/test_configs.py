@@ -87,8 +87,8 @@ def test_model_config_errors_name_the_key():
     with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.type': unknown layer type 'mlp'; registered "
                                                   r"types: attn, fpsa, fpmamba, looped"):
         fpscale.load_config(None, ["model.layers.0.type=mlp"])
-    with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.solver.max_iter': must be >= 1"):
-        fpscale.load_config(None, ["model.layers=[{type: fpsa}]", "model.layers.0.solver.max_iter=0"])
+    with pytest.raises(fpscale.ConfigError, match=r"model.layers.0.solver.forward.max_iter': must be >= 1"):
+        fpscale.load_config(None, ["model.layers=[{type: fpsa}]", "model.layers.0.solver.forward.max_iter=0"])
 
 
 @pytest.mark.parametrize("entry, key", [("{type: attn, mixer: dplr}", "mixer"),      # fpmamba's key on attn

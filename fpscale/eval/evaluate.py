@@ -31,7 +31,7 @@ from fpscale.train.validation import validate, validate_depths
 def evaluate_checkpoint(folder: str, state, out_dir: str, eval_batches: int | None = None,
                         depths: list[int] | None = None, precision: str = "config") -> dict:
     """Validate ``folder`` on this layout and write the report into ``out_dir`` (main rank).
-    The top-level fields are the run at the configured ``solver.eval_max_iter``; ``depths``
+    The top-level fields are the run at the configured ``solver.forward.eval_max_iter``; ``depths``
     (e.g. [1, 2, 4, 8]) adds ``report["depths"]``, one record per depth, and ``depth.png``.
     ``precision``: ``config`` (the run's ``train.precision``), ``fp32``, ``bf16`` or
     ``fp32-strict``; the report's ``precision`` says which ran.

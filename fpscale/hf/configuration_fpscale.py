@@ -7,7 +7,7 @@ as plain dicts; the evaluation depth is chosen at load time:
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, layer_eval_depth={"1": 16})
 
 eval_depth         at most this many iterations for every looped layer at evaluation (None: each
-                   layer's own ``solver.eval_max_iter``; an epsilon layer at most its max_steps)
+                   layer's own ``solver.forward.eval_max_iter``; an epsilon layer at most its max_steps)
 layer_eval_depth   per layer, by index in the expanded stack, over ``eval_depth``: a dict, or the
                    string "1:16;3:4" (lm-evaluation-harness's --model_args cannot hold a dict)
 decode_cache       ``decode.cache``: exact (the default) or fixed_point, what generate()'s cache keeps of

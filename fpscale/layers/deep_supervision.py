@@ -33,14 +33,14 @@ Deviations from the paper (say where a run differs):
     (``fpscale.layers.checkpointing.recompute``: its K iterations, the coda and the head run a second
     time), so the memory is one window's activations, as the paper's per-window backward, and the
     gradient is the paper's sum. What the trainer does (DeepSpeed's engine, ZeRO's hooks) is unchanged.
-  - the solver reads its stop decision every iteration in the windows (``solver.check_every`` is not
+  - the solver reads its stop decision every iteration in the windows (``solver.execution.check_every`` is not
     applied) and runs its PyTorch bookkeeping (not the fused kernels): the windows go on from the
     carried state, which only the PyTorch loop takes.
 
 Under tensor parallelism the windows follow the agreed stop (the consensus of every iteration), so
 every rank of a TP group takes the same windows. Data-parallel ranks run their own solves; with ZeRO-3
 the coda's parameters are gathered once per window over the DP group, so there the window count must be
-agreed over DP too (``solver.agree: dp``: the Trainer says so where it is missing).
+agreed over DP too (``solver.forward.agree: dp``: the Trainer says so where it is missing).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import torch
 from fpscale.errors import check
 from fpscale.layers.checkpointing import recompute
 from fpscale.solvers.chunked import run_loop
-from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig
+from fpscale.solvers.config import IMPLICIT_MODES, SolverConfig, key_of
 from fpscale.solvers.loop_state import Carry, IterateResult, state_dtype
 from fpscale.solvers.solve import differentiable, resolved, stats_of
 from fpscale.solvers.stats import SolverStats
@@ -60,10 +60,10 @@ from fpscale.solvers.step import SolveContext, fresh_state
 
 def check_solver(solver: SolverConfig, key: str, iterate_free: bool = False) -> None:
     """What a supervised layer's solver must be (errors name ``key``, the layer's solver section)."""
-    check(solver.backward != "unroll", f"{key}.backward",
+    check(solver.backward != "unroll", key_of("backward", key),
           "deep_supervision supervises its final window with the backward at the fixed point: phantom, jfb or "
-          "implicit, got unroll (windows of the whole solve are deep_supervision.window >= solver.max_iter)")
-    check(solver.anderson == 0, f"{key}.anderson",
+          "implicit, got unroll (windows of the whole solve are deep_supervision.window >= solver.forward.max_iter)")
+    check(solver.anderson == 0, key_of("anderson", key),
           f"deep_supervision carries Algorithm 1's damped step from window to window; Anderson mixing "
           f"(anderson = {solver.anderson}) has no such state: set anderson 0")
     check(not iterate_free, f"{key}", "deep_supervision needs a layer whose map reads its iterate "

@@ -34,10 +34,10 @@ class FixedPointLayer(LoopedLayer):
         self.iterate_free = False        # True where f never reads its iterate: f(z0) is z*
         self.entries_per_token = 1       # entries of the solved state per token (fpsa halting: head: its heads)
         # True where TP ranks hold different entries of a token (fpsa's heads): the stop flags then differ
-        # by rank, and solver.chunk agrees them every iteration
+        # by rank, and solver.execution.chunk agrees them every iteration
         self.entries_split = False
         self.cap: int | None = None      # randomised per-step cap (training only)
-        self.dp_agree = None             # sums the stop counts over DP (solver.agree: dp; fpscale.parallel.agree)
+        self.dp_agree = None             # the DP stop counts (solver.forward.agree: dp; fpscale.parallel.agree)
         self.last_stats: SolverStats | None = None
         self.ds_window = 0               # deep supervision's window (model.layers.N.deep_supervision.window)
         self.window_plan = None          # set while fpscale.layers.deep_supervision drives the solve
@@ -54,7 +54,7 @@ class FixedPointLayer(LoopedLayer):
 
     def compiled(self, step: Callable) -> Callable:
         """``step`` (a bound method taking the iterate and tensors, one application of f) under
-        torch.compile when ``solver.compile`` is on, else ``step`` itself. Compiled once per layer
+        torch.compile when ``solver.execution.compile`` is on, else ``step`` itself. Compiled once per layer
         with dynamic=False and called from the solver's Python loop: the iteration count is not
         part of the graph, so a solve of another length reuses it.
 
@@ -91,7 +91,7 @@ class FixedPointLayer(LoopedLayer):
         return cached
 
     def expected_iterations(self) -> int | None:
-        """``solver.chunk_schedule: expected``: the iterations the previous solve took (None: no hint)."""
+        """``solver.execution.chunk_schedule: expected``: the iterations the previous solve took (None: no hint)."""
         if self.solver.chunk_schedule != "expected" or self.last_stats is None:
             return None
         return self.last_stats.iterations

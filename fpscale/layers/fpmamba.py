@@ -59,6 +59,7 @@ from fpscale.layers.common import (
 from fpscale.layers.fpmamba_map import FPMambaMixer, scan_flops
 from fpscale.layers.mixers import kronecker_factors, mixer_flops
 from fpscale.layers.registry import FixedPointSpec
+from fpscale.typed import merge
 
 # fpscale's value of each structural switch (a key left unset takes it, or its preset's value)
 DEFAULTS = dict(negative_eigs=False, u_activation="none", out_norm="rmsnorm", bc_norm=True,
@@ -68,9 +69,9 @@ DEFAULTS = dict(negative_eigs=False, u_activation="none", out_norm="rmsnorm", bc
 # lines 173-180 builds it: stepsize 0.99, decay 0.9 after 15 steps without a new best, thresh
 # 0.1, outlier quantile 0.25, stop once every stepsize < 1e-3, the best residual so far tested,
 # one backward step ``n_backwards`` 1). Its caps (100 in training, 1000 in evaluation) are the
-# run's: set solver.max_iter / eval_max_iter.
-AUTHORS_SOLVER = dict(damping=0.99, decay=0.9, patience=15, tol=0.1, stop_quantile=0.25, eta_min=1e-3,
-                      stop_residual="best", backward="jfb")
+# run's: set solver.forward.max_iter / eval_max_iter.
+AUTHORS_SOLVER = {"forward": dict(damping=0.99, decay=0.9, patience=15, tol=0.1, stop_quantile=0.25, eta_min=1e-3),
+                  "compat": dict(stop_residual="best"), "adjoint": dict(backward="jfb")}
 _AUTHORS_MIXER = dict(negative_eigs=True, u_activation="silu", out_norm="layernorm", y_into_delta=False,
                       feedback_init="linear", weight_norm=True, kronecker_norm="rows", mixer_bias_init=0.0)
 PRESETS = {
@@ -148,7 +149,7 @@ class FPMambaSpec(FixedPointSpec):
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
         if self.preset != "none":
-            self.solver = {**AUTHORS_SOLVER, **self.solver}
+            self.solver = merge(AUTHORS_SOLVER, self.solver)
 
     @property
     def iterate_free(self) -> bool:

@@ -17,7 +17,7 @@ gives input-dependent attention at initialisation, stays contractive, and its fi
 (Z_0 = h, N(2h) = N(h)) is the paper's.
 
 The causal mask is applied in every iteration; converged tokens may be frozen (selective
-update, ``solver.freeze_converged``); the backward is implicit by default. With a cache,
+update, ``solver.forward.freeze_converged``); the backward is implicit by default. With a cache,
 past tokens contribute their converged K and static V, and only new tokens are iterated.
 
 Where convergence is judged (``halting``):
@@ -31,7 +31,7 @@ Where convergence is judged (``halting``):
           backward's mask are per head for free. f(U) forms Z = U W_O (the iterate of Eq. (1)) and
           returns the heads' next outputs; Z* = U* W_O. Z_k = U_k W_O for k >= 1 (U_0 = 0: the first
           queries read N(h + 0) = N(h), the paper's first iteration, as Z_0 = h gives with N(2h)).
-          The residual of a pair is the relative change of its d_h-vector in ``solver.norm``; the
+          The residual of a pair is the relative change of its d_h-vector in ``solver.forward.norm``; the
           paper's ||Z^(i)_{k+1} - Z^(i)_k||_F / ||Z^(i)_k||_F per token is ``norm: l2`` (fpscale
           divides by the new iterate's norm, as for every layer). Under TP each rank holds its own
           heads' pairs: a head's halting is decided where it lives, the stop agreed over the group.
@@ -206,12 +206,12 @@ class FPSAttention(FixedPointLayer):
             if self.solver.anderson and self.shards.consensus is not None:
                 raise ValueError("fpsa halting: head with solver.anderson under tensor parallelism: each rank "
                                  "holds its own heads' state, so Anderson's per-sample mixing would differ by "
-                                 "rank; set solver.anderson=0 or halting=token")
+                                 "rank; set solver.forward.anderson=0 or halting=token")
             z0 = h.new_zeros(h.shape[0], h.shape[1] * n_heads, self.head_dim)
             real = None if real is None else real.repeat_interleave(n_heads, dim=1)
         else:
             n_heads, z0 = 1, h
-        self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.decisions)
+        self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.forward.decisions)
         self.entries_split = heads           # under TP each rank holds its own heads' entries
         def f(z):
             if steps is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fpscale.errors import ConfigError, check
-from fpscale.typed import from_dict
+from fpscale.typed import from_dict, nest
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +109,15 @@ class FixedPointSpec(LayerSpec):
     deep_supervision: DeepSupervision = field(default_factory=DeepSupervision)
 
     looped: ClassVar[bool] = True
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], key: str) -> dict[str, Any]:
+        """Flat solver overrides (``solver: {tol: 0.1}``, the form before the solver's parts) move into
+        their part, one ConfigDeprecation each (``SolverConfig.upgrade``); the solver checks the keys."""
+        if not isinstance(data.get("solver"), dict):
+            return data
+        from fpscale.solvers.config import PART_OF
+        return {**data, "solver": nest(data["solver"], PART_OF, f"{key}.solver")}
 
 
 LAYER_TYPES: dict[str, type[LayerSpec]] = {}

@@ -7,7 +7,7 @@ all where the solve stops at its cap. So each looped layer caches, per past toke
 reads of that token at every iteration j (``iters``: fpsa's keys, the looped core's K/V per
 sublayer, fpmamba's y and scan state after it) and at the applications after the solve
 (``finals``: the output step of jfb/phantom, ``SolverConfig.eval_output``), and the new token's
-f reads entry j at its iteration j. With ``solver.decisions: token`` (the default) token t's own
+f reads entry j at its iteration j. With ``solver.forward.decisions: token`` (the default) token t's own
 damping and patience follow its own residual, and it retires once every token up to it is done: the
 cache keeps ``prefix`` [B], the iteration from which every past token is done (the last past token's
 retirement), which the new tokens' prefix rule reads. So the new token's trajectory is the full
@@ -113,7 +113,7 @@ class StepCache:
                                f"with {mode!r}: keep one mode for a generation (new caches to change it)")
         self.past_iters: dict | None = past["iters"] if past else None
         self.past_finals: dict | None = past["finals"] if past else None
-        # per token (solver.decisions: token): the iteration from which every past token is done
+        # per token (solver.forward.decisions: token): the iteration from which every past token is done
         # (fixed: every past token is done from iteration 0, None)
         self.prefix: torch.Tensor | None = past.get("prefix") if past and not fixed else None
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from fpscale.errors import UserError
+from fpscale.solvers.config import PART_OF, key_of
+from fpscale.typed import nest
 
 SUPPORTED = {"nonlin_name": "ReLU2", "mlp_class_name": "BaseMLP", "norm_class_name": "RMSNorm",
              "block_class_name": "TransformerPreNormBlock", "bias": False, "qk_bias": False, "clip_qkv": None,
@@ -122,7 +124,8 @@ def fpscale_config(their: dict[str, Any]) -> dict[str, Any]:
                         {"type": "attractor", "head_blocks": int(their.get("n_fp_blocks", 1)),
                          "gate_init": float(their["layer_scale_init"]),
                          "gamma_max": float(their.get("gamma_max") or 1.0), "mlp": "relu2",
-                         "qk_norm": bool(their.get("qk_norm", False)), "solver": solver}]}
+                         "qk_norm": bool(their.get("qk_norm", False)),
+                         "solver": nest(solver, PART_OF, "solver", warn=False)}]}     # the nested form
     if int(model["mlp_ratio"] * d) != int(their["intermediate_size"]) or int(their["intermediate_size"]) % 16:
         raise UserError(f"config.json: intermediate_size = {their['intermediate_size']} must be a multiple of 16 "
                         f"(fpscale's MLP hidden size)")
@@ -273,9 +276,10 @@ def their_config(cfg, base: dict[str, Any] | None = None) -> dict[str, Any]:
                       "logits equal fpscale's where both solves converge (docs/attractor.md)", stacklevel=2)
     for key, want in (("stop_quantile", 0.0), ("patience", 0), ("anderson_lambda", 1e-4)):
         if getattr(s, key) != want:
-            raise UserError(f"--to attractor: solver.{key} = {getattr(s, key)!r}: Attractor's solver has {want!r}")
+            raise UserError(f"--to attractor: {key_of(key, 'solver')} = {getattr(s, key)!r}: Attractor's solver has "
+                            f"{want!r}")
     if s.backward not in ("neumann1", "implicit") or (s.backward == "implicit" and not s.anderson):
-        raise UserError(f"--to attractor: solver.backward = {s.backward}: neumann1, or implicit with Anderson")
+        raise UserError(f"--to attractor: solver.adjoint.backward = {s.backward}: neumann1, or implicit with Anderson")
     base = base or {}
     kept = {k: base.get(k, v) for k, v in THEIR_DEFAULTS.items()}
     true_vocab = base.get("vocab_size", m.vocab_size)

@@ -177,7 +177,7 @@ class LoopedLM(torch.nn.Module):
     @contextlib.contextmanager
     def eval_depth(self, depth: int | None):
         """Within the block, every looped layer caps its evaluation at ``depth`` iterations (None:
-        each layer's ``solver.eval_max_iter``; a halting layer at most its ``max_steps``). Training
+        each layer's ``solver.forward.eval_max_iter``; a halting layer at most its ``max_steps``). Training
         is unaffected.
 
             with model.eval_depth(64):

@@ -22,7 +22,7 @@ CALLS: Counter = Counter()         # (op, kernel) -> calls since the last reset
 
 
 def counting() -> bool:
-    """False while torch.compile traces (``solver.compile``): a Python-side count there would break
+    """False while torch.compile traces (``solver.execution.compile``): a Python-side count there would break
     the graph, and the compiled code runs whatever kernels Inductor emitted, so it is not counted."""
     return not torch.compiler.is_compiling()
 

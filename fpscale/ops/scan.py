@@ -118,7 +118,7 @@ def _scan_forward(x, dt, A, B, C, h0, chunk):
 class _SelectiveScan(torch.autograd.Function):
     """In torch.func's form (forward without ctx, ``setup_context``; the chunk starts the backward reads
     are a third output, dropped by ``selective_scan``): torch.func.vjp can differentiate an f that scans
-    (``solver.adjoint_step: vjp``, fpscale.solvers.backward.VjpStep)."""
+    (``solver.adjoint.adjoint_step: vjp``, fpscale.solvers.backward.VjpStep)."""
     @staticmethod
     def forward(x, dt, A, B, C, h0, chunk):
         with torch.autocast(x.device.type, enabled=False):      # _full_precision (dynamo binds forward's own

@@ -1,4 +1,4 @@
-"""``solver.agree: dp``: the looped layers' stop decisions taken over the data-parallel group.
+"""``solver.forward.agree: dp``: the looped layers' stop decisions taken over the data-parallel group.
 
 By default each data-parallel rank stops its solves on its own micro-batch, and every optimizer step
 waits for the slowest rank (the trainer logs the spread: ``iters_dp_max`` against ``iters_dp_mean``).

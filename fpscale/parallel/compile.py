@@ -4,7 +4,7 @@
              on CUDA ``model`` when every layer is plain or a one-pass solve (``max_iter`` and
              ``eval_max_iter`` 1: the attn and mamba stacks), else ``blocks`` (a looped layer's solve
              reads its stop decision on the host; its iterations are compiled by the solver itself,
-             ``solver.chunk``). The choice is logged
+             ``solver.execution.chunk``). The choice is logged
     none     eager
     model    the whole model's forward as one graph (``fullgraph=True``): norms, RoPE, activations,
              residual adds and the loss head fused across blocks. A model that does not trace whole
@@ -18,8 +18,8 @@
                                     in-projection, causal conv, SiLU) and the gate outside it
                                     (``mixer.gated_output``), each fused by the compiler
                fpsa, fpmamba2       the MLP sublayer after the solve (``mlp_sublayer``); the solve
-                                    itself is the solver's (``solver.compile`` compiles its step,
-                                    ``solver.chunk`` its iterations: docs/solver.md)
+                                    itself is the solver's (``solver.execution.compile`` compiles its step,
+                                    ``solver.execution.chunk`` its iterations: docs/solver.md)
                epsilon              one step of the halting loop (``halting_step``: the block and
                                     its halting head; one graph for every step, the halting update
                                     and the host read between steps outside)

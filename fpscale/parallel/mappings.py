@@ -41,7 +41,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 # Each mapping in torch.func's form (forward without ctx, ``setup_context``): torch.func.vjp can then
-# differentiate an f that crosses them (``solver.adjoint_step: vjp``)
+# differentiate an f that crosses them (``solver.adjoint.adjoint_step: vjp``)
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(x, group):

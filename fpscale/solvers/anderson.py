@@ -1,5 +1,5 @@
-"""Attractor's Anderson variant (``solver.anderson_variant: attractor``) and its whole-sample residual
-(``solver.norm: sample_l2``): the solver jacobfa/Attractor runs (commit fcf045f,
+"""Attractor's Anderson variant (``solver.compat.anderson_variant: attractor``) and its whole-sample residual
+(``solver.forward.norm: sample_l2``): the solver jacobfa/Attractor runs (commit fcf045f,
 attractor/models/attractor/solvers.py), as settings of fpscale's one solver loop
 (fpscale.solvers.step), so TP consensus, DP agreement, host-read schedules, statistics and the
 implicit backward serve it as they serve every other solve.

@@ -32,7 +32,7 @@ from fpscale.solvers.step import per_token as _per_token
 
 
 class VjpStep:
-    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``solver.adjoint_step:
+    """The adjoint's step u -> J^T u + g (masked) by ``torch.func.vjp`` of f at z* (``solver.adjoint.adjoint_step:
     vjp``) instead of ``torch.autograd.grad`` of the recorded f(z*): dynamo traces it, so a chunked adjoint
     (solver.chunk) compiles; on the tiny configs in float64 it equals the recorded adjoint exactly
     (bench/adjoint_vjp.py; fpmamba's adjoint chunk still breaks the graph in the scan's backward, and the
@@ -78,10 +78,10 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
     # test could end it on an adjoint that has since moved away. Its damping is per sample whatever
     # the forward's ``decisions``: the adjoint runs backward in time (u_t gathers the gradients of
     # tokens >= t), so causality is no rule for it, and ``backward_freeze`` alone decides its freezing
-    adjoint_cfg = dataclasses.replace(cfg, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol,
-                                      stop_quantile=0.0, freeze_converged=cfg.backward_freeze,
-                                      stop_residual="current", decisions="sample",
-                                      min_iter=cfg.backward_min_iter)
+    adjoint_cfg = dataclasses.replace(cfg, forward=dataclasses.replace(
+        cfg.forward, max_iter=cfg.backward_max_iter, tol=cfg.backward_tol, stop_quantile=0.0,
+        freeze_converged=cfg.backward_freeze, decisions="sample", min_iter=cfg.backward_min_iter),
+        compat=dataclasses.replace(cfg.compat, stop_residual="current"))
 
     def adjoint_hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad * mask
@@ -98,7 +98,7 @@ def attach_implicit(f: Callable[[torch.Tensor], torch.Tensor], z_star: torch.Ten
             return (vjp + g) * mask
 
         if cfg.adjoint_step == "vjp":
-            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (solver.adjoint_step: vjp)
+            adjoint_step = VjpStep(f, z_in.detach(), g, mask)       # noqa: F811 (solver.adjoint.adjoint_step: vjp)
 
         with torch.no_grad():
             result = run_loop(adjoint_step, g, adjoint_cfg, quantile=0.0, consensus=consensus,

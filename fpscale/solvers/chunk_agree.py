@@ -1,7 +1,7 @@
 """What a chunk (fpscale.solvers.chunked) agrees with the other ranks, once per chunk instead of once per
 iteration as the eager loop does.
 
-DP (``solver.agree: dp``): the eager loop sums the decision's counts [unconverged, movable, non-finite]
+DP (``solver.forward.agree: dp``): the eager loop sums the decision's counts [unconverged, movable, non-finite]
 over the DP group every iteration. A rank's own evolution (iterate, damping, patience, freezing) never
 reads the sums: only *when* the solve stops does. So a chunk runs with the stop off except the cap
 (``defer``), records each iteration's local counts as a [K, 3] tensor, and after the chunk one SUM
@@ -23,7 +23,7 @@ MAX of identical flags is the flags: a chunk acts on its own flags and checks on
 ranks saw the same ones: each iteration's flags packed as bits (``pack_flags``: two bits per unit per
 iteration, 31 iterations per int64 word), and one MAX all-reduce of [x, -x] (``differs``) tells
 whether any rank's words differ. If they do (a collective whose result is not the same on every rank,
-a non-deterministic f), the solve raises an error naming ``solver.chunk`` rather than let the ranks
+a non-deterministic f), the solve raises an error naming ``solver.execution.chunk`` rather than let the ranks
 go apart (tests/parallel/run_tp_model.py runs every looped type chunked under TP2 and never sees it;
 fpsa with ``halting: head`` did, which is how the exception below was found). Except where the ranks
 hold different entries of one unit: fpsa with ``halting: head`` keeps each head's (token, head) entries

@@ -1,9 +1,18 @@
-"""`SolverConfig`: every knob of the fixed-point solver and its backward pass."""
+"""`SolverConfig`: every knob of the fixed-point solver and its backward pass, in four parts.
+
+    solver: {forward: {max_iter: 16, tol: 2.0e-2}, adjoint: {backward: implicit}, execution: {chunk: 4}}
+    cfg = SolverConfig(tol=1e-4, chunk=4)         # flat names place themselves: cfg.forward.tol == cfg.tol
+
+Each field lives in exactly one part (``PART_OF``, the one table); ``cfg.tol`` reads ``cfg.forward.tol``
+(read-only: write ``cfg.forward.tol``). Flat keys in YAML, overrides and saved configs (``solver.tol``, the
+form before the parts) load with one ``ConfigDeprecation`` per key naming the new key (``SolverConfig.upgrade``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from fpscale.errors import check
 
@@ -12,10 +21,10 @@ IMPLICIT_MODES = ("implicit", "neumann1")       # the modes with an adjoint at z
 
 
 @dataclass
-class SolverConfig:
-    """How a fixed point ``z = f(z)`` is found and differentiated.
+class ForwardConfig:
+    """``solver.forward``: how the fixed point ``z = f(z)`` is found (Algorithm 1 of FPRM, seed 004, plus the
+    quantile stop of its App. D).
 
-    Forward (Algorithm 1 of FPRM, seed 004, plus the quantile stop of its App. D):
       max_iter           hard cap on applications of f in training
       eval_max_iter      the cap in evaluation (model.eval()); 0 = max_iter. The seeds evaluate
                          with more iterations than they train with (FPRM: 256 vs 128)
@@ -45,30 +54,42 @@ class SolverConfig:
       damping            initial eta of the damped step z <- eta f(z) + (1 - eta) z
       patience, decay    after ``patience`` steps without a new best residual of a unit (token or
                          sample), its eta <- decay * eta (patience 0 disables the decay)
-      stop_residual      the residual the convergence test reads: ``current`` (this iteration's, default)
-                         or ``best`` (each sample's lowest so far: the FP-RNN authors' solver,
-                         fpscale.solvers.stop_rule)
       eta_min            stop when every unconverged sample's eta fell below this
       freeze_converged   per-token selective update (FPSA): a converged token is frozen (always so
                          with ``decisions: token``; this key matters with ``sample``)
       anderson           Anderson acceleration window (0 = off, else >= 2)
       anderson_lambda    Tikhonov regularisation of Anderson's least squares
-      anderson_variant   fpscale (default: lambda relative to the Gram's mean diagonal, the mixing
-                         solved in float64, the mixed iterate returned) or attractor: jacobfa/Attractor's
-                         (attractor/models/attractor/solvers.py:38-122): lambda absolute, the mixing
-                         solved in float32, two plain steps before any mixing or stop test, the last
-                         f(z) returned (fpscale.solvers.anderson)
+      eps                the floor of a residual's denominator: ||f(z) - z|| / (||z|| + eps)
       agree              rank (default) | dp: in training, each data-parallel rank stops its solves on
                          its own micro-batch (every optimizer step waits for the slowest rank), or
                          the stop decision (quantile, stall, non-finite) is taken over the DP group's
                          samples as one process would over all of them: equal work on every rank, one
                          3-int all-reduce over DP per iteration (forward and adjoint). Evaluation
                          and decoding always stop per rank
-      check_every        read the stop decision on the host every N iterations (and at the cap);
-                         the iterations between are valid further iterates and count. 1 (default):
-                         every iteration. With no stop rule that can fire (tol 0, no eta_min stop
-                         within the cap) the solve reads once, at its end, whatever N
-    Backward (docs/solver.md, "Backward modes"):
+    """
+
+    max_iter: int = 30
+    eval_max_iter: int = 0
+    tol: float = 1e-2
+    norm: Literal["inf", "l2", "sample_l2"] = "inf"
+    min_iter: int = 0
+    stop_quantile: float = 0.25
+    decisions: Literal["token", "sample"] = "token"
+    damping: float = 1.0
+    patience: int = 5
+    decay: float = 0.7
+    eta_min: float = 0.05
+    freeze_converged: bool = False
+    anderson: int = 0
+    anderson_lambda: float = 1e-4
+    eps: float = 1e-6
+    agree: Literal["rank", "dp"] = "rank"
+
+
+@dataclass
+class AdjointConfig:
+    """``solver.adjoint``: how a solve is differentiated (docs/solver.md, "Backward modes").
+
       backward           implicit | neumann1 | phantom | jfb | unroll. neumann1: the adjoint is one
                          Neumann term, u = g + J^T g, with no masking, no damping and no tolerance
                          (Attractor's ``onestep``, attractor.py:65-70)
@@ -92,11 +113,30 @@ class SolverConfig:
                          VjpStep; not with the CUDA Triton scan: fpmamba on a GPU). Not yet measured on a GPU
       mask_unconverged   implicit: tokens that did not converge get no adjoint (seed 000, App. D); with
                          tol 0 (a fixed depth: none converges) only non-finite samples are masked
-    Speed:
+    """
+
+    backward: BackwardMode = "implicit"
+    phantom_steps: int = 4
+    eval_output: Literal["step", "iterate"] = "step"
+    backward_max_iter: int = 40
+    backward_tol: float = 1e-4
+    backward_min_iter: int = 0
+    backward_freeze: bool = False
+    adjoint_step: Literal["grad", "vjp"] = "grad"
+    mask_unconverged: bool = True
+
+
+@dataclass
+class ExecutionConfig:
+    """``solver.execution``: how the iterations run (speed only: the same iterates in every setting).
+
       bookkeeping        auto | fused | torch: the iteration's residual, flags, damping, freezing and
                          damped step as 4 Triton kernels (fpscale.solvers.fused) or as about 40
                          PyTorch ops. auto (default): fused on CUDA where Triton imports. Solves with
                          autograd through the loop (unroll's training solve) or Anderson stay torch
+      compile            torch.compile the layer's iteration step (one application of f, with
+                         dynamic=False); the iteration loop stays in Python, so a different
+                         iteration count never recompiles. Off until measured on the target device
       chunk              K > 0: run the iterations in chunks of K, every stop / freeze / damping decision a
                          device mask, one host read per chunk, each chunk compiled as one graph where
                          it traces (fpscale.solvers.chunked; docs/solver.md). 0 (default): the loop
@@ -113,110 +153,146 @@ class SolverConfig:
                          chunk: not with backward unroll (its training solve runs under autograd), not under
                          tensor parallelism (f's collectives in the graph: not yet checked); on another device
                          an error at launch (fpscale.solvers.chunked.check_cuda_graph)
-      compile            torch.compile the layer's iteration step (one application of f, with
-                         dynamic=False); the iteration loop stays in Python, so a different
-                         iteration count never recompiles. Off until measured on the target device
+      check_every        read the stop decision on the host every N iterations (and at the cap);
+                         the iterations between are valid further iterates and count. 1 (default):
+                         every iteration. With no stop rule that can fire (tol 0, no eta_min stop
+                         within the cap) the solve reads once, at its end, whatever N
     """
 
-    max_iter: int = 30
-    eval_max_iter: int = 0
-    tol: float = 1e-2
-    norm: Literal["inf", "l2", "sample_l2"] = "inf"
-    min_iter: int = 0
-    stop_quantile: float = 0.25
-    damping: float = 1.0
-    patience: int = 5
-    decay: float = 0.7
-    eta_min: float = 0.05
-    stop_residual: Literal["current", "best"] = "current"
-    decisions: Literal["token", "sample"] = "token"
-    freeze_converged: bool = False
-    anderson: int = 0
-    anderson_lambda: float = 1e-4
-    anderson_variant: Literal["fpscale", "attractor"] = "fpscale"
-    eps: float = 1e-6
-    check_every: int = 1
-    agree: Literal["rank", "dp"] = "rank"
-    backward: BackwardMode = "implicit"
-    phantom_steps: int = 4
-    eval_output: Literal["step", "iterate"] = "step"
-    backward_max_iter: int = 40
-    backward_tol: float = 1e-4
-    backward_min_iter: int = 0
-    backward_freeze: bool = False
-    adjoint_step: Literal["grad", "vjp"] = "grad"
-    mask_unconverged: bool = True
     bookkeeping: Literal["auto", "fused", "torch"] = "auto"
     compile: bool = False
     chunk: int = 0
     chunk_schedule: Literal["fixed", "expected"] = "fixed"
     cuda_graph: bool = False
+    check_every: int = 1
+
+
+@dataclass
+class CompatConfig:
+    """``solver.compat``: options that exist to reproduce a peer's solver; fpscale's defaults differ.
+
+      anderson_variant   fpscale (default: lambda relative to the Gram's mean diagonal, the mixing
+                         solved in float64, the mixed iterate returned) or attractor: jacobfa/Attractor's
+                         (attractor/models/attractor/solvers.py:38-122): lambda absolute, the mixing
+                         solved in float32, two plain steps before any mixing or stop test, the last
+                         f(z) returned (fpscale.solvers.anderson)
+      stop_residual      the residual the convergence test reads: ``current`` (this iteration's, default)
+                         or ``best`` (each sample's lowest so far: the FP-RNN authors' solver,
+                         dr-faustus/fp-rnn models/model_utils.py ``FixedPointOptimizer.step``;
+                         fpscale.solvers.stop_rule)
+    """
+
+    anderson_variant: Literal["fpscale", "attractor"] = "fpscale"
+    stop_residual: Literal["current", "best"] = "current"
+
+
+PARTS: dict[str, type] = {"forward": ForwardConfig, "adjoint": AdjointConfig, "execution": ExecutionConfig,
+                          "compat": CompatConfig}
+PART_OF = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}   # the one table
+
+
+def key_of(name: str, prefix: str = "") -> str:
+    """The nested key of a flat field name: ``key_of("tol", "solver") == "solver.forward.tol"``."""
+    return ".".join(p for p in (prefix, PART_OF[name], name) if p)
+
+
+@dataclass(init=False)
+class SolverConfig:
+    """How a fixed point ``z = f(z)`` is found and differentiated: its four parts, documented in their
+    classes. ``SolverConfig(tol=1e-4, chunk=4)`` places each flat keyword in its part (``PART_OF``), so
+    ``dataclasses.replace(cfg, tol=...)`` works; ``cfg.tol`` reads ``cfg.forward.tol``."""
+
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+    adjoint: AdjointConfig = field(default_factory=AdjointConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+
+    def __init__(self, forward: ForwardConfig | None = None, adjoint: AdjointConfig | None = None,
+                 execution: ExecutionConfig | None = None, compat: CompatConfig | None = None, **flat: Any):
+        unknown = sorted(set(flat) - PART_OF.keys())
+        if unknown:
+            raise TypeError(f"SolverConfig got unexpected keyword argument(s) {', '.join(unknown)}")
+        given = {"forward": forward, "adjoint": adjoint, "execution": execution, "compat": compat}
+        for part, cls in PARTS.items():   # a copy of each part: replace(cfg, ...) never shares one
+            mine = {k: v for k, v in flat.items() if PART_OF[k] == part}
+            setattr(self, part, dataclasses.replace(given[part] or cls(), **mine))
+
+    if TYPE_CHECKING:       # the flat read-only views below, generated from PART_OF
+        def __getattr__(self, name: str) -> Any: ...
+
+    @classmethod
+    def upgrade(cls, data: dict, key: str) -> dict:
+        """Flat keys (``solver.tol``, the form before the parts) move into their part with one
+        ``ConfigDeprecation`` each; a key in the wrong part or misspelt is refused, naming it."""
+        from fpscale.typed import nest
+        return nest(data, PART_OF, key, owner=cls.__name__)
 
     def validate(self, prefix: str = "") -> None:
-        def key(name: str) -> str:
-            return f"{prefix}.{name}" if prefix else name
+        """Every rule, one row each: (flat name, holds, the constraint); the error names the nested key."""
+        s = self
+        finite = ("tol", "backward_tol", "eps", "anderson_lambda", "eta_min")
+        rules: list[tuple[str, bool, str]] = [
+            ("max_iter", s.max_iter >= 1, f"must be >= 1, got {s.max_iter}"),
+            ("eval_max_iter", s.eval_max_iter >= 0, f"must be >= 0 (0 = max_iter), got {s.eval_max_iter}"),
+            *((n, math.isfinite(getattr(s, n)) and getattr(s, n) >= 0,
+               f"must be a finite number >= 0, got {getattr(s, n)}") for n in finite),
+            ("stop_quantile", 0.0 <= s.stop_quantile < 1.0,
+             f"must lie in [0, 1) (the tolerated fraction of unconverged samples), got {s.stop_quantile}"),
+            ("damping", 0.0 < s.damping <= 1.0, f"must lie in (0, 1], got {s.damping}"),
+            ("patience", s.patience >= 0, f"must be >= 0 (0 disables decay), got {s.patience}"),
+            ("decay", 0.0 < s.decay < 1.0, f"must lie in (0, 1), got {s.decay}"),
+            ("eta_min", s.eta_min < s.damping,
+             f"must be below damping ({s.damping}), got {s.eta_min}: the solver would stop at once"),
+            ("decisions", s.decisions in ("token", "sample"),
+             f"must be token (damping, patience and freezing per token: causal) or sample (per sample, "
+             f"the seeds' Algorithm 1: for non-causal maps), got {s.decisions!r}"),
+            ("anderson", s.anderson == 0 or s.anderson >= 2,
+             f"is the Anderson window: 0 (off) or >= 2, got {s.anderson}"),
+            ("check_every", s.check_every >= 1, f"must be >= 1 (read the stop decision every N iterations; "
+             f"1 = every iteration), got {s.check_every}"),
+            ("bookkeeping", s.bookkeeping in ("auto", "fused", "torch"),
+             f"must be auto, fused or torch, got {s.bookkeeping!r}"),
+            ("bookkeeping", not (s.bookkeeping == "fused" and s.anderson), f"fused has no Anderson mixing "
+             f"(anderson = {s.anderson}): use auto or torch, or anderson 0"),
+            ("min_iter", s.min_iter >= 0, f"must be >= 0, got {s.min_iter}"),
+            ("backward_min_iter", s.backward_min_iter >= 0, f"must be >= 0, got {s.backward_min_iter}"),
+            ("anderson_variant", s.anderson_variant in ("fpscale", "attractor"),
+             f"must be fpscale or attractor, got {s.anderson_variant!r}"),
+            ("anderson_variant", s.anderson_variant == "fpscale" or s.anderson >= 2,
+             f"attractor is an Anderson variant: set anderson to its window (>= 2, "
+             f"Attractor uses 5), got anderson = {s.anderson}"),
+            ("decisions", s.decisions == "sample" or (s.norm != "sample_l2" and s.anderson_variant == "fpscale"),
+             "norm sample_l2 and anderson_variant attractor decide per sample (Attractor's solve has one "
+             "residual, one beta and one Anderson system per sample): set decisions: sample"),
+            ("bookkeeping", not (s.bookkeeping == "fused" and s.norm == "sample_l2"),
+             "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
+             "PyTorch bookkeeping: use auto or torch"),
+            ("chunk", s.chunk >= 0, f"must be >= 0 (0 = off; K = iterations per chunk), got {s.chunk}"),
+            ("chunk_schedule", s.chunk_schedule in ("fixed", "expected"),
+             f"must be fixed (a read after every chunk) or expected (the first read after the layer's previous "
+             f"solve's iterations), got {s.chunk_schedule!r}"),
+            ("cuda_graph", not s.cuda_graph or s.chunk > 0, f"captures the compiled chunk: it needs "
+             f"{key_of('chunk', prefix or 'solver')} > 0 (K iterations per graph), got chunk = 0"),
+            ("cuda_graph", not (s.cuda_graph and s.backward == "unroll"),
+             "needs a traced chunk; backward unroll's training solve runs under autograd (not traced, not "
+             "captured): use backward implicit, phantom or jfb, or cuda_graph false"),
+            ("adjoint_step", s.adjoint_step in ("grad", "vjp"),
+             f"must be grad (autograd.grad of the recorded f) or vjp (torch.func.vjp: a chunked adjoint "
+             f"compiles), got {s.adjoint_step!r}"),
+            ("eval_output", s.eval_output in ("step", "iterate"),
+             f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
+             f"(the last iterate z*), got {s.eval_output!r}"),
+            ("phantom_steps", s.phantom_steps >= 1, f"must be >= 1, got {s.phantom_steps}"),
+            ("backward_max_iter", s.backward_max_iter >= 1, f"must be >= 1, got {s.backward_max_iter}"),
+        ]
+        for name, holds, message in rules:
+            check(holds, key_of(name, prefix), message)
 
-        check(self.max_iter >= 1, key("max_iter"), f"must be >= 1, got {self.max_iter}")
-        check(self.eval_max_iter >= 0, key("eval_max_iter"),
-              f"must be >= 0 (0 = max_iter), got {self.eval_max_iter}")
-        for name in ("tol", "backward_tol", "eps", "anderson_lambda", "eta_min"):
-            value = getattr(self, name)
-            check(math.isfinite(value) and value >= 0, key(name), f"must be a finite number >= 0, got {value}")
-        check(0.0 <= self.stop_quantile < 1.0, key("stop_quantile"),
-              f"must lie in [0, 1) (the tolerated fraction of unconverged samples), got {self.stop_quantile}")
-        check(0.0 < self.damping <= 1.0, key("damping"), f"must lie in (0, 1], got {self.damping}")
-        check(self.patience >= 0, key("patience"), f"must be >= 0 (0 disables decay), got {self.patience}")
-        check(0.0 < self.decay < 1.0, key("decay"), f"must lie in (0, 1), got {self.decay}")
-        check(self.eta_min < self.damping, key("eta_min"),
-              f"must be below damping ({self.damping}), got {self.eta_min}: the solver would stop at once")
-        check(self.decisions in ("token", "sample"), key("decisions"),
-              f"must be token (damping, patience and freezing per token: causal) or sample (per sample, "
-              f"the seeds' Algorithm 1: for non-causal maps), got {self.decisions!r}")
-        check(self.anderson == 0 or self.anderson >= 2, key("anderson"),
-              f"is the Anderson window: 0 (off) or >= 2, got {self.anderson}")
-        check(self.check_every >= 1, key("check_every"),
-              f"must be >= 1 (read the stop decision every N iterations; 1 = every iteration), "
-              f"got {self.check_every}")
-        check(self.bookkeeping in ("auto", "fused", "torch"), key("bookkeeping"),
-              f"must be auto, fused or torch, got {self.bookkeeping!r}")
-        check(not (self.bookkeeping == "fused" and self.anderson), key("bookkeeping"),
-              f"fused has no Anderson mixing (anderson = {self.anderson}): use auto or torch, or anderson 0")
-        for name in ("min_iter", "backward_min_iter"):
-            check(getattr(self, name) >= 0, key(name), f"must be >= 0, got {getattr(self, name)}")
-        check(self.anderson_variant in ("fpscale", "attractor"), key("anderson_variant"),
-              f"must be fpscale or attractor, got {self.anderson_variant!r}")
-        check(self.anderson_variant == "fpscale" or self.anderson >= 2, key("anderson_variant"),
-              f"attractor is an Anderson variant: set anderson to its window (>= 2, Attractor uses 5), "
-              f"got anderson = {self.anderson}")
-        check(self.decisions == "sample" or (self.norm != "sample_l2" and self.anderson_variant == "fpscale"),
-              key("decisions"), "norm sample_l2 and anderson_variant attractor decide per sample (Attractor's "
-              "solve has one residual, one beta and one Anderson system per sample): set decisions: sample")
-        check(not (self.bookkeeping == "fused" and self.norm == "sample_l2"), key("bookkeeping"),
-              "fused computes per-token residuals; norm sample_l2 (one residual per sample) runs on the "
-              "PyTorch bookkeeping: use auto or torch")
-        check(self.chunk >= 0, key("chunk"), f"must be >= 0 (0 = off; K = iterations per chunk), got {self.chunk}")
-        check(self.chunk_schedule in ("fixed", "expected"), key("chunk_schedule"),
-              f"must be fixed (a read after every chunk) or expected (the first read after the layer's previous "
-              f"solve's iterations), got {self.chunk_schedule!r}")
-        check(not self.cuda_graph or self.chunk > 0, key("cuda_graph"),
-              "captures the compiled chunk: it needs solver.chunk > 0 (K iterations per graph), got chunk = 0")
-        check(not (self.cuda_graph and self.backward == "unroll"), key("cuda_graph"),
-              "needs a traced chunk; backward unroll's training solve runs under autograd (not traced, not "
-              "captured): use backward implicit, phantom or jfb, or cuda_graph false")
-        check(self.adjoint_step in ("grad", "vjp"), key("adjoint_step"),
-              f"must be grad (autograd.grad of the recorded f) or vjp (torch.func.vjp: a chunked adjoint "
-              f"compiles), got {self.adjoint_step!r}")
-        check(self.eval_output in ("step", "iterate"), key("eval_output"),
-              f"must be step (evaluation outputs what training outputs at the same iterate) or iterate "
-              f"(the last iterate z*), got {self.eval_output!r}")
-        check(self.phantom_steps >= 1, key("phantom_steps"), f"must be >= 1, got {self.phantom_steps}")
-        check(self.backward_max_iter >= 1, key("backward_max_iter"),
-              f"must be >= 1, got {self.backward_max_iter}")
-
-    def with_overrides(self, overrides: dict, key: str) -> "SolverConfig":
-        """This config with one layer's ``solver`` overrides applied (validated; errors name ``key``)."""
-        from fpscale.typed import from_dict, to_dict
-        return from_dict(SolverConfig, {**to_dict(self), **overrides}, key)
+    def with_overrides(self, overrides: dict, key: str) -> SolverConfig:
+        """This config with one layer's ``solver`` overrides (nested or flat keys) applied (validated;
+        errors name ``key``)."""
+        from fpscale.typed import from_dict, merge, nest, to_dict
+        return from_dict(SolverConfig, merge(to_dict(self), nest(overrides, PART_OF, key, warn=False)), key)
 
     @property
     def output_steps(self) -> int:
@@ -228,3 +304,13 @@ class SolverConfig:
     def eval_iterations(self) -> int:
         """The cap of a solve in evaluation."""
         return self.eval_max_iter or self.max_iter
+
+
+def _view(part: str, name: str) -> property:
+    def read(self: SolverConfig) -> Any:           # a Python function: dynamo inlines it in a compiled chunk
+        return getattr(getattr(self, part), name)
+    return property(read, doc=f"``{part}.{name}`` (read-only; write ``cfg.{part}.{name}``)")
+
+
+for _name, _part in PART_OF.items():       # cfg.tol reads cfg.forward.tol: read-only, one per field of a part
+    setattr(SolverConfig, _name, _view(_part, _name))

@@ -7,7 +7,7 @@ One loop, at most one host synchronisation per iteration (the stop decision):
                         best: when its lowest r_b so far is; fpscale.solvers.stop_rule)
   quantile stop         stop once at most floor(p * B) samples are unconverged, i.e. at least
                         (1 - p) of the B samples this solve sees have converged (p = 0: all)
-  decisions             where Algorithm 1's damping, patience and freezing live (``solver.decisions``):
+  decisions             where Algorithm 1's damping, patience and freezing live (``solver.forward.decisions``):
     token (default)     per token, the causal rule: token t's eta_t, best r_t and patience follow
                         its own residual r_t, which a causal f computes from tokens <= t; token t
                         retires (is frozen) once every token s <= t is done, converged (r_s < tol)
@@ -52,7 +52,7 @@ __all__ = ["iterate", "Agree", "Consensus", "StateReduce", "SolveContext", "Carr
 def iterate(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg: SolverConfig,
             context: SolveContext | None = None, *, quantile: float, carry: Carry | None = None,
             **fields) -> IterateResult:
-    """The loop with the stop read on the host as ``cfg.check_every`` says (``solver.chunk`` ignored):
+    """The loop with the stop read on the host as ``cfg.check_every`` says (``solver.execution.chunk`` ignored):
     ``run_loop(..., chunk=0)``. ``context`` or its fields as keywords (consensus, state_reduce, agree,
     real, prefix, group, min_iter, max_iter): fpscale.solvers.step.SolveContext. ``carry``: a previous
     call's ``IterateResult.carry`` to go on from (deep supervision's windows)."""

@@ -104,8 +104,11 @@ def resolved(cfg: SolverConfig, z0: torch.Tensor, implicit: bool) -> SolverConfi
     """``cfg`` with the tolerances the dtype f computes in can reach (fpscale.solvers.precision;
     ``backward_tol`` only where an adjoint runs: ``implicit``)."""
     dtype, tf32 = map_dtype(z0), tf32_matmuls(z0)
-    return dataclasses.replace(cfg, tol=resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm), backward_tol=(
-        resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit else cfg.backward_tol))
+    tol = resolvable_tol(cfg.tol, dtype, "tol", tf32, cfg.norm)
+    backward_tol = (resolvable_tol(cfg.backward_tol, dtype, "backward_tol", tf32, cfg.norm) if implicit
+                    else cfg.backward_tol)
+    return dataclasses.replace(cfg, forward=dataclasses.replace(cfg.forward, tol=tol),
+                               adjoint=dataclasses.replace(cfg.adjoint, backward_tol=backward_tol))
 
 
 def stats_of(result: IterateResult, cap: int, tol: float) -> SolverStats:

@@ -1,8 +1,8 @@
-"""The stop rule: which residual a unit's convergence test reads (``solver.stop_residual``), the flags a
+"""The stop rule: which residual a unit's convergence test reads (``solver.compat.stop_residual``), the flags a
 TP group agrees on each iteration (``StopFlags``), the quantile limit, and when the host reads
 (``read_schedule``). The step that applies them is fpscale.solvers.step.
 
-``solver.stop_residual``:
+``solver.compat.stop_residual``:
 
   current   the residual of this iteration (fpscale's default): a sample counts as converged
             while its latest step is below ``tol``

@@ -48,13 +48,14 @@ def initial_model(cfg: Config, state: ParallelState) -> torch.nn.Module:
 def check_deep_supervision(cfg: Config, dp_size: int) -> None:
     """Under ZeRO-3 with several data-parallel ranks, a layer with deep supervision gathers the rest of
     the model's parameters once per window over the DP group: every rank must take the same windows,
-    so the stop is agreed over DP (``solver.agree: dp``; fpscale.layers.deep_supervision)."""
+    so the stop is agreed over DP (``solver.forward.agree: dp``; fpscale.layers.deep_supervision)."""
     if dp_size < 2 or cfg.parallel.zero_stage != 3:
         return
     for i, spec in enumerate(cfg.model.layers):
         if spec.looped and spec.deep_supervision.window > 0:
-            agree = spec.solver.get("agree", cfg.solver.agree)
-            key = f"model.layers.{i}.solver.agree" if "agree" in spec.solver else "solver.agree"
+            own = spec.solver.get("forward", {})
+            agree = own.get("agree", cfg.solver.agree)
+            key = f"model.layers.{i}.solver.forward.agree" if "agree" in own else "solver.forward.agree"
             check(agree == "dp", key, f"must be dp where model.layers.{i}.deep_supervision is on under ZeRO-3 with "
                                       f"{dp_size} data-parallel ranks (each window gathers the parameters over DP: "
                                       f"the ranks must take the same windows), got {agree}")

@@ -1,6 +1,6 @@
 """Data-parallel imbalance of the looped layers, logged at each log step.
 
-Each data-parallel rank stops its solves on its own micro-batch (``solver.agree: rank``, the
+Each data-parallel rank stops its solves on its own micro-batch (``solver.forward.agree: rank``, the
 default), and every optimizer step waits for the rank with the most work. At a log step the
 iteration counts of the interval (every looped layer, every micro-batch, forward and adjoint) are
 gathered over the DP group in one collective and reported per layer as
@@ -13,7 +13,7 @@ and for the whole model ``dp_wait_est``: per step, 1 - mean / max over ranks of 
 iterations (forward + adjoint, all layers), averaged over the interval: the share of its looped-layer
 time the average rank spends waiting for the slowest, if every iteration costs the same (an
 estimate from counts, device-independent; a rank's wall time is not measured, which on a GPU would
-need a synchronisation). With ``solver.agree: dp`` every rank runs the same iterations: 0.
+need a synchronisation). With ``solver.forward.agree: dp`` every rank runs the same iterations: 0.
 """
 from __future__ import annotations
 

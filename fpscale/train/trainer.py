@@ -102,8 +102,8 @@ class Trainer:
         seed_default_stream(cfg.seed, self.state)
         rng = RNGTracker.for_tp(cfg.seed, self.state)
         self.model = parallelize(model, self.state, rng).to(self.device)
-        agree.attach(self.model, self.state)          # solver.agree: dp
-        check_cuda_graphs(self.model, self.device, self.state.tp_size)      # solver.cuda_graph: CUDA, no TP
+        agree.attach(self.model, self.state)          # solver.forward.agree: dp
+        check_cuda_graphs(self.model, self.device, self.state.tp_size)      # solver.execution.cuda_graph: CUDA, no TP
         apply_compile(self.model, t.compile, log=log and self.state.is_main, device=self.device)   # train.compile
         if self.state.distributed:         # checkpoint waits scale with the (whole) model
             whole_params = model.num_params() * self.state.tp_size

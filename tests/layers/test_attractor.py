@@ -42,7 +42,7 @@ def test_the_head_solves_its_map_from_c():
     assert model.solver_stats()["layers.1.attractor"].stopped_by == "converged"
     assert (fy - y).norm() / y.norm() < 1e-5
     with torch.no_grad():     # one iteration is f(c): y0 = c
-        model.layers[1].solver.max_iter = model.layers[1].solver.eval_max_iter = 1
+        model.layers[1].solver.forward.max_iter = model.layers[1].solver.forward.eval_max_iter = 1
         model(tokens)
         cos, sin = fpscale.layers.common.rope_span(head.head_dim, 0, 10, head.rope_theta, c)
         assert torch.allclose(seen["y"], head.head(2 * c, cos, sin, None) - c, atol=1e-12)

@@ -166,9 +166,9 @@ def test_bf16_takes_the_windows_and_iterations_of_fp32():
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"model.layers.1.deep_supervision.window.*>= 0"):
         build(-1)
-    with pytest.raises(ConfigError, match=r"model.layers.1.solver.backward.*unroll"):
+    with pytest.raises(ConfigError, match=r"model.layers.1.solver.adjoint.backward.*unroll"):
         build(2, solver={"backward": "unroll"})
-    with pytest.raises(ConfigError, match=r"model.layers.1.solver.anderson"):
+    with pytest.raises(ConfigError, match=r"model.layers.1.solver.forward.anderson"):
         build(2, solver={"anderson": 2})
     with pytest.raises(ConfigError, match=r"model.layers.2.deep_supervision.window.*model.layers.1"):
         fpscale.load_config(None, ["model.layers=[{type: attn}, {type: looped, deep_supervision: {window: 2}}, "
@@ -182,7 +182,7 @@ def test_zero3_over_several_dp_ranks_needs_the_stop_agreed_over_dp():
             "parallel.zero_stage=3"]
     cfg = fpscale.load_config(None, over)
     check_deep_supervision(cfg, 1)                      # one DP rank: nothing to agree
-    with pytest.raises(ConfigError, match=r"solver.agree.*must be dp.*ZeRO-3 with 2 data-parallel ranks"):
+    with pytest.raises(ConfigError, match=r"solver.forward.agree.*must be dp.*ZeRO-3 with 2 data-parallel ranks"):
         check_deep_supervision(cfg, 2)
-    check_deep_supervision(fpscale.load_config(None, over + ["solver.agree=dp"]), 2)
+    check_deep_supervision(fpscale.load_config(None, over + ["solver.forward.agree=dp"]), 2)
     check_deep_supervision(fpscale.load_config(None, over[:1] + ["parallel.zero_stage=2"]), 2)

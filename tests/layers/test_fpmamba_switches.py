@@ -201,7 +201,7 @@ def test_presets_match_the_reference(preset, mixer):
 def test_a_key_given_beside_a_preset_wins_and_errors_name_the_key():
     spec = layer_spec("fpmamba", preset="authors_lm", bc_norm=True, solver={"patience": 4})
     assert spec.bc_norm is True and spec.out_norm == "layernorm"
-    assert spec.solver["patience"] == 4 and spec.solver["decay"] == 0.9
+    assert spec.solver["forward"]["patience"] == 4 and spec.solver["forward"]["decay"] == 0.9
     import fpscale
     with pytest.raises(fpscale.ConfigError, match=r"layer.weight_norm': needs feedback_init: linear"):
         layer_spec("fpmamba", weight_norm=True)

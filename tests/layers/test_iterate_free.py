@@ -25,7 +25,7 @@ def baseline(seed: int = 0):
     """configs/125m_mamba.yaml at tiny width: its layer spec and solver section unchanged."""
     cfg = fpscale.load_config(os.path.join(ROOT, "configs", "125m_mamba.yaml"), TINY)
     spec = cfg.model.layers[0]
-    assert (spec.type, spec.mixer, spec.y_feedback, spec.solver["max_iter"], cfg.solver.backward) == \
+    assert (spec.type, spec.mixer, spec.y_feedback, spec.solver["forward"]["max_iter"], cfg.solver.backward) == \
         ("fpmamba", "none", False, 1, "jfb")
     torch.manual_seed(seed)
     return cfg, fpscale.build_model(cfg)

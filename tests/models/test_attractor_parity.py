@@ -147,10 +147,10 @@ def test_to_attractor_takes_their_solve_or_the_recipes_causal_form():
         assert their_config(fpscale.load_config(recipe, []))["solver"] == "anderson"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        their_config(fpscale.load_config(recipe, ["solver.decisions=sample", "solver.norm=sample_l2",
-                                                  "solver.anderson_variant=attractor"]))
+        their_config(fpscale.load_config(recipe, ["solver.forward.decisions=sample", "solver.forward.norm=sample_l2",
+                                                  "solver.compat.anderson_variant=attractor"]))
     with pytest.raises(UserError, match="norm / decisions / anderson_variant = inf / token"):
-        their_config(fpscale.load_config(recipe, ["solver.norm=inf"]))
+        their_config(fpscale.load_config(recipe, ["solver.forward.norm=inf"]))
 
 
 def fpscale_model(folder):

@@ -34,7 +34,8 @@ def test_zero_adjoint_settings_give_their_iterations_and_gradients(case):
     their = meta[case]["config"]
     data = fpscale_config(their)
     solver = data["model"]["layers"][-1]["solver"]
-    assert (solver["backward_min_iter"], solver["backward_tol"]) == (their["backward_min_iter"], their["backward_tol"])
+    assert (solver["adjoint"]["backward_min_iter"], solver["adjoint"]["backward_tol"]) == \
+        (their["backward_min_iter"], their["backward_tol"])
     data["model"]["loss_chunk"] = 0
     cfg = config_from_dict({**data, "data": {"seq_len": 8}})
     model = build_model(cfg).double()

@@ -28,7 +28,7 @@ def test_compiled_step_matches_eager_and_never_recompiles_for_another_iteration_
             graphs = counters["stats"]["unique_graphs"]
             assert graphs >= 1
             loop = solved_layer(model, layer_type)
-            loop.solver.max_iter = loop.solver.eval_max_iter = 7       # another iteration count
+            loop.solver.forward.max_iter = loop.solver.forward.eval_max_iter = 7       # another iteration count
             with torch.no_grad():
                 layer(x)
             assert loop.last_stats.iterations == 7

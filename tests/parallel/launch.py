@@ -31,10 +31,12 @@ def pinned(config: str | None = "configs/tiny_mixed.yaml", overrides: list[str] 
     cfg = fpscale.load_config(os.path.join(ROOT, config) if config else None, list(overrides))
     keys = {**PINNED_KEYS, **({"max_iter": iters, "eval_max_iter": iters, "backward_max_iter": iters}
                               if iters else {})}
-    out = [f"solver.{k}={v}" for k, v in keys.items()]
+    from fpscale.solvers.config import PART_OF, key_of
+    out = [f"{key_of(k, 'solver')}={v}" for k, v in keys.items()]
     for i, spec in enumerate(cfg.model.layers):
         if spec.looped:
-            out += [f"model.layers.{i}.solver.{k}={v}" for k, v in keys.items() if k in spec.solver]
+            out += [f"{key_of(k, f'model.layers.{i}.solver')}={v}" for k, v in keys.items()
+                    if k in spec.solver.get(PART_OF[k], {})]
     return out
 
 

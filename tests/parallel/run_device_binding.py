@@ -25,7 +25,7 @@ import fpscale  # noqa: E402
 
 TINY = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=2", "train.global_batch=4", "train.steps=1",
-        "train.resume=none", "solver.stop_quantile=0.0"]
+        "train.resume=none", "solver.forward.stop_quantile=0.0"]
 
 
 def bind_as_scheduled() -> tuple:

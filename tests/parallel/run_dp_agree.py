@@ -32,11 +32,11 @@ BASE = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max
         "solver.backward_tol=1e-4", "solver.backward_max_iter=40", "solver.patience=3", "solver.decay=0.7",
         "model.layers.0.repeat=1"]
 CASES = {
-    "fpsa": ["model.layers.0.type=fpsa", "solver.freeze_converged=true"],
+    "fpsa": ["model.layers.0.type=fpsa", "solver.forward.freeze_converged=true"],
     "fpmamba": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4"],
     "looped": ["model.layers.0.type=looped"],
     "fpmamba2": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
-                 "solver.tol=1e-3"],
+                 "solver.forward.tol=1e-3"],
 }
 CHUNK = 4
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -49,7 +49,7 @@ def iterations(model) -> dict:
 def run_case(name, overrides, state, tokens, targets, report):
     rank, world = state.rank, state.world_size
     torch.manual_seed(0)
-    cfg = fpscale.load_config(None, BASE + overrides + ["solver.agree=dp"])
+    cfg = fpscale.load_config(None, BASE + overrides + ["solver.forward.agree=dp"])
     whole = fpscale.build_model(cfg).double()
     with torch.no_grad():                   # a non-zero conv / y-feedback so those paths count
         for n, p in whole.named_parameters():

@@ -34,7 +34,7 @@ from tests.parallel.launch import pinned  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
-        "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0", "train.resume=none"]
+        "train.log_interval=1000", "train.eval_interval=1000", "solver.forward.stop_quantile=0.0", "train.resume=none"]
 
 
 DS = ["model.layers=[{type: attn}, {type: looped, core_blocks: 1, conv: true, deep_supervision: {window: 2}, "
@@ -99,7 +99,7 @@ def run(checked, out: str, args: list[str], last: bool = True, before: Counter |
     rank = int(os.environ.get("RANK", "0"))
     if rank_tol:
         tol = rank_tol[0].split(",")[rank]
-        overrides += [f"model.layers.{i}.solver.tol={tol}" for i in (1, 2, 3)]
+        overrides += [f"model.layers.{i}.solver.forward.tol={tol}" for i in (1, 2, 3)]
     if pin:
         overrides += pinned(f"configs/{config}", overrides, pin[0])
     cfg = fpscale.load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", config), overrides)

@@ -26,10 +26,10 @@ from tests.parallel.launch import pinned  # noqa: E402
 
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32", "model.n_heads=4",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=8", "train.steps=5", "train.warmup=2",
-        "train.log_interval=1000", "train.eval_interval=1000", "solver.stop_quantile=0.0", "train.resume=none",
+        "train.log_interval=1000", "train.eval_interval=1000", "solver.forward.stop_quantile=0.0", "train.resume=none",
         "train.save_interval=3", "train.save_interval_minutes=0", "train.keep_last=0",
         "model.layers=[{type: attn}, {type: looped, core_blocks: 1, solver: {backward: phantom, phantom_steps: 2}}]",
-        "solver.max_iter=6", "solver.tol=1e-3",
+        "solver.forward.max_iter=6", "solver.forward.tol=1e-3",
         "train.optimizer=muon_adamw", "train.muon.ns_dtype=fp32", "train.muon.weight_decay=0.5",
         "train.muon.momentum_warmup=3", "train.lr_scale.embed=2.0", "train.group_weight_decay.scalar=0.0"]
 BASE += pinned(None, BASE, iters=6)     # the looped core at a fixed depth: no tolerance stop to flip across layouts

@@ -32,48 +32,48 @@ from fpscale.parallel.state import ParallelState  # noqa: E402
 from fpscale.solvers import SolverConfig  # noqa: E402
 
 BASE = ["model.vocab_size=32", "model.d_model=32", "model.n_heads=4", "model.max_seq_len=16", "data.seq_len=12",
-        "solver.stop_quantile=0.0", "solver.tol=1e-6", "solver.max_iter=30"]
+        "solver.forward.stop_quantile=0.0", "solver.forward.tol=1e-6", "solver.forward.max_iter=30"]
 CASES = {
     "attn": ["model.layers.0.type=attn"],
     "fpsa-implicit": ["model.layers.0.type=fpsa", "solver.backward=implicit", "solver.backward_tol=1e-8",
-                      "solver.backward_max_iter=60"],
+                      "solver.adjoint.backward_max_iter=60"],
     "fpsa-heads-freeze-implicit": ["model.layers.0.type=fpsa", "model.layers.0.halting=head",
-                                   "solver.freeze_converged=true", "solver.backward_freeze=true",
-                                   "solver.backward=implicit", "solver.backward_tol=1e-8",
-                                   "solver.backward_max_iter=60"],
-    "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.backward=unroll", "solver.anderson=3"],
+                                   "solver.forward.freeze_converged=true", "solver.adjoint.backward_freeze=true",
+                                   "solver.adjoint.backward=implicit", "solver.adjoint.backward_tol=1e-8",
+                                   "solver.adjoint.backward_max_iter=60"],
+    "fpsa-unroll-anderson": ["model.layers.0.type=fpsa", "solver.adjoint.backward=unroll", "solver.forward.anderson=3"],
     "fpsa_lh": ["model.layers.0.type=fpsa_lh", "model.layers.0.max_steps=4", "model.layers.0.ponder_cost=0.1"],
     "fpmamba-householder-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4",
-                                     "solver.backward=implicit", "solver.backward_tol=1e-6",
-                                     "solver.backward_max_iter=60", "solver.tol=1e-3"],
+                                     "solver.adjoint.backward=implicit", "solver.adjoint.backward_tol=1e-6",
+                                     "solver.adjoint.backward_max_iter=60", "solver.forward.tol=1e-3"],
     "fpmamba-dplr-phantom": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=dplr", "model.layers.0.d_state=4",
-                             "solver.backward=phantom", "solver.tol=1e-3", "solver.anderson=2"],
+                             "solver.adjoint.backward=phantom", "solver.forward.tol=1e-3", "solver.forward.anderson=2"],
     "fpmamba-kronecker-jfb-mlp": ["model.layers.0.type=fpmamba", "model.layers.0.mixer=kronecker",
-                                  "model.layers.0.mlp=true", "model.layers.0.d_state=4", "solver.backward=jfb",
-                                  "solver.tol=1e-2"],
+                                  "model.layers.0.mlp=true", "model.layers.0.d_state=4", "solver.adjoint.backward=jfb",
+                                  "solver.forward.tol=1e-2"],
     # the authors' blocks (issue 28): LayerNorm, weight norm (column-split groups sum their row
     # norms over the shards), y into B/C only; the gate outside with W_zy and no conv; rows-normalised Kronecker
     "fpmamba-authors-lm-jfb": ["model.layers.0.type=fpmamba", "model.layers.0.preset=authors_lm",
-                               "model.layers.0.d_state=4", "model.layers.0.solver.stop_quantile=0.0",
+                               "model.layers.0.d_state=4", "model.layers.0.solver.forward.stop_quantile=0.0",
                                "model.layers.0.solver.tol=1e-3"],      # the preset's solver otherwise: best so far, jfb
     "fpmamba-authors-state-tracking-kronecker-implicit": [
         "model.layers.0.type=fpmamba", "model.layers.0.preset=authors_state_tracking", "model.layers.0.mixer=kronecker",
         "model.layers.0.d_state=4", "model.layers.0.negative_eigs=false", "model.layers.0.mixer_bias_init=-2.0",
-        "model.layers.0.solver.stop_quantile=0.0", "model.layers.0.solver.tol=1e-3",
+        "model.layers.0.solver.forward.stop_quantile=0.0", "model.layers.0.solver.forward.tol=1e-3",
         "model.layers.0.solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60"],
     # fpmamba2 (issue 28): heads split, B/C whole on every rank (each takes its heads' groups), W_zy by rows
     "fpmamba2-kronecker-jfb": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
-                               "solver.backward=jfb", "solver.tol=1e-3"],
+                               "solver.adjoint.backward=jfb", "solver.forward.tol=1e-3"],
     "fpmamba2-householder-conv-2groups-implicit": [
         "model.layers.0.type=fpmamba2", "model.layers.0.mixer=householder", "model.layers.0.mixer_rank=2",
         "model.layers.0.input_path=conv_silu", "model.layers.0.ngroups=2", "model.layers.0.d_state=4",
         "model.layers.0.headdim=8", "model.layers.0.negative_eigs=false", "model.layers.0.mixer_bias_init=-2.0",
         "solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60", "solver.tol=1e-3"],
     "looped-conv-implicit": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.backward=implicit",
-                             "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+                             "solver.adjoint.backward_tol=1e-8", "solver.adjoint.backward_max_iter=60"],
     "looped-deep-supervision-implicit": [
         "model.layers=[{type: attn}, {type: looped, conv: true, deep_supervision: {window: 3}}, {type: attn}]",
-        "solver.backward=implicit", "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
+        "solver.adjoint.backward=implicit", "solver.adjoint.backward_tol=1e-8", "solver.adjoint.backward_max_iter=60"],
     "attn-relu2-value-embed": [
         "model.layers=[{type: attn, mlp: relu2, qk_norm: true, value_embed: true}, {type: attn}]"],
     "attractor-neumann1": [
@@ -91,16 +91,16 @@ CASES = {
                      "model.layers.0.target_halting_mean=2.0", "model.layers.0.kl_weight=0.1"],
     # solver.chunk (issue 39): every looped type chunked under TP2 against the whole model's eager loop
     "chunk-fpsa-heads-freeze-implicit": ["model.layers.0.type=fpsa", "model.layers.0.halting=head", "solver.chunk=3",
-                                         "solver.freeze_converged=true", "solver.backward=implicit",
-                                         "solver.backward_tol=1e-8", "solver.backward_max_iter=60"],
-    "chunk-fpmamba-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4", "solver.chunk=4",
+                                         "solver.forward.freeze_converged=true", "solver.adjoint.backward=implicit",
+                                         "solver.adjoint.backward_tol=1e-8", "solver.adjoint.backward_max_iter=60"],
+    "chunk-fpmamba-implicit": ["model.layers.0.type=fpmamba", "model.layers.0.d_state=4", "solver.execution.chunk=4",
                                "solver.backward=implicit", "solver.backward_tol=1e-6", "solver.backward_max_iter=60",
-                               "solver.tol=1e-3", "solver.stop_quantile=0.5"],
+                               "solver.forward.tol=1e-3", "solver.forward.stop_quantile=0.5"],
     "chunk-fpmamba2-unroll": ["model.layers.0.type=fpmamba2", "model.layers.0.d_state=4", "model.layers.0.headdim=8",
                               "solver.chunk=4", "solver.backward=unroll", "solver.tol=1e-3", "solver.patience=2",
-                              "solver.decay=0.7"],
-    "chunk-looped-jfb": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.chunk=5",
-                         "solver.backward=jfb"],
+                              "solver.forward.decay=0.7"],
+    "chunk-looped-jfb": ["model.layers.0.type=looped", "model.layers.0.conv=true", "solver.execution.chunk=5",
+                         "solver.adjoint.backward=jfb"],
     "chunk-compiled-fpsa-phantom": ["model.layers.0.type=fpsa", "solver.chunk=4", "solver.backward=phantom"],
     "epsilon-causal": ["model.layers.0.type=epsilon", "model.layers.0.attention=causal",
                        "model.layers.0.max_steps=3"],
@@ -113,7 +113,7 @@ TOL = dict(rtol=1e-9, atol=3e-11)
 
 def check_case(name, overrides, state, tokens, targets):
     torch.manual_seed(0)
-    chunk = [o for o in overrides if o.startswith("solver.chunk=")]      # the split model's alone
+    chunk = [o for o in overrides if o.startswith(("solver.execution.chunk=", "solver.chunk="))]   # the split model's
     cfg = fpscale.load_config(None, BASE + [o for o in overrides if o not in chunk])
     whole = fpscale.build_model(cfg).double()
     with torch.no_grad():                   # a non-zero conv / y-feedback so those paths count
@@ -182,8 +182,8 @@ def main(out):
     tokens = torch.randint(0, 32, (3, 12), generator=g)
     targets = torch.randint(0, 32, (3, 12), generator=g)
     only = os.environ.get("ONLY")            # e.g. ONLY=fpmamba (or fpsa,looped) while debugging
-    extra = os.environ.get("EXTRA", "").split()   # overrides for every case (solver.bookkeeping=fused)
-    extra += ["solver.adjoint_step=vjp"] if os.environ.get("FUNC_VJP") == "1" else []
+    extra = os.environ.get("EXTRA", "").split()   # overrides for every case (solver.execution.bookkeeping=fused)
+    extra += ["solver.adjoint.adjoint_step=vjp"] if os.environ.get("FUNC_VJP") == "1" else []
     for name, overrides in CASES.items():
         if only and not any(part in name for part in only.split(",")):
             continue

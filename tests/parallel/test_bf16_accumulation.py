@@ -150,7 +150,7 @@ def test_each_zero_stage_accumulates_and_reduces_as_configured(accumulation, zer
 BF16_RUN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
             "model.max_seq_len=32", "train.micro_batch=2", "train.global_batch=8", "train.steps=4",
             "train.warmup=2", "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=2",
-            "train.keep_last=0", "train.export_final=false", "solver.stop_quantile=0.0", "train.precision=bf16"]
+            "train.keep_last=0", "train.export_final=false", "solver.forward.stop_quantile=0.0", "train.precision=bf16"]
 # fixed solver depths (issue 49): ZeRO-1's checkpoint resumed on ZeRO-2 reduces in another order, where a
 # tolerance stop near its threshold could flip an iteration and move the loss past the comparison's bound
 BF16_RUN += pinned("configs/tiny_mixed.yaml", BF16_RUN)

@@ -12,8 +12,8 @@ import fpscale
 from fpscale.parallel import compile as compile_mod
 from fpscale.train import trainer as trainer_mod
 
-SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.max_iter=8",
-         "solver.eval_max_iter=8", "train.precision=fp32", "data.source=synthetic", "train.micro_batch=2",
+SMALL = ["model.d_model=64", "model.n_heads=2", "data.seq_len=64", "model.vocab_size=512", "solver.forward.max_iter=8",
+         "solver.forward.eval_max_iter=8", "train.precision=fp32", "data.source=synthetic", "train.micro_batch=2",
          "train.global_batch=2", "train.global_batch_tokens=0", "train.resume=none", "train.loggers=[]",
          "train.log_interval=1000", "train.eval_interval=1000", "train.save_interval=0", "train.warmup=1",
          "train.save_interval_minutes=0", "train.export_final=false"]

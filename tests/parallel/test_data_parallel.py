@@ -21,8 +21,8 @@ SCRIPT = "tests/parallel/run_layout.py"
 NAN_LAYOUTS = ["zero_stage=0", "zero_stage=1", "zero_stage=3", "parallel.tp=2"]
 # every two-rank case of this file, each run as in a launch of its own (300 s each), in ONE launch
 CASES = {**{f"dp2-zero{z}": [f"zero_stage={z}", PIN, *(["ds=1"] if z == 3 else [])] for z in range(4)},
-         "uneven-zero3": ["zero_stage=3", "rank_tol=5e-1,1e-7", "solver.max_iter=60"],
-         "agree-zero1": ["zero_stage=1", "rank_tol=5e-1,1e-7", "solver.max_iter=12", "solver.agree=dp"],
+         "uneven-zero3": ["zero_stage=3", "rank_tol=5e-1,1e-7", "solver.forward.max_iter=60"],
+         "agree-zero1": ["zero_stage=1", "rank_tol=5e-1,1e-7", "solver.forward.max_iter=12", "solver.forward.agree=dp"],
          **{f"nan-{layout}": ["nan_at=2", PIN, *([layout] if "zero" in layout else [layout, "zero_stage=1"])]
             for layout in NAN_LAYOUTS}}
 WAITS = pytest.mark.timeout(300 * len(CASES) + 60)      # the first test to ask for ``two_ranks`` waits for it

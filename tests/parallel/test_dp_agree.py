@@ -24,6 +24,6 @@ def test_agree_dp_on_16_ranks_equals_one_process_with_the_16_samples(tmp_path):
 
 
 def test_agree_is_validated_with_its_key():
-    with pytest.raises(ConfigError, match=r"solver.agree"):
+    with pytest.raises(ConfigError, match=r"solver.forward.agree"):
         fpscale.load_config(None, ["solver.agree=global"])
     assert fpscale.load_config(None, ["solver.agree=dp"]).solver.agree == "dp"

@@ -17,7 +17,7 @@ from tests.slurm.cluster import LocalSlurm, install_reason
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 TRAIN = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
          "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=16", "train.warmup=2",
-         "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=4", "solver.stop_quantile=0.0",
+         "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=4", "solver.forward.stop_quantile=0.0",
          "parallel.tp=2", "parallel.zero_stage=1"]
 SIZE = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=15"]
 

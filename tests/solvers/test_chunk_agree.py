@@ -159,7 +159,7 @@ def test_agreed_chunks_compile_as_one_graph(group, monkeypatch):
 def test_cuda_graph_settings_name_the_key_and_the_constraint():
     from fpscale.errors import ConfigError
     from fpscale.solvers import solve
-    with pytest.raises(ConfigError, match=r"cuda_graph.*solver.chunk > 0"):
+    with pytest.raises(ConfigError, match=r"cuda_graph.*solver.execution.chunk > 0"):
         SolverConfig(cuda_graph=True).validate()
     with pytest.raises(ConfigError, match=r"cuda_graph.*unroll"):
         SolverConfig(cuda_graph=True, chunk=4, backward="unroll").validate()

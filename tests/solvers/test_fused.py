@@ -41,7 +41,7 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="a kernel test: run und
 TINY = sorted(p.stem for p in (ROOT / "configs").glob("tiny_*.yaml")
               if p.stem not in ("tiny_attn", "tiny_epsilon", "tiny_attractor"))
 # tiny_fpsa judged per (token, head) (its state [B, T * H, d_h]), freezing in the adjoint too
-VARIANTS = {"tiny_fpsa_heads": ("tiny_fpsa", ["model.layers.1.halting=head", "solver.backward_freeze=true"])}
+VARIANTS = {"tiny_fpsa_heads": ("tiny_fpsa", ["model.layers.1.halting=head", "solver.adjoint.backward_freeze=true"])}
 
 
 def triton_or_skip() -> None:
@@ -242,7 +242,7 @@ def test_kernel_every_tiny_config_trains_and_evaluates_the_same(name, dtype):
     for mode in ("torch", "fused"):
         config, extra = VARIANTS.get(name, (name, []))
         cfg = fpscale.load_config(ROOT / "configs" / f"{config}.yaml",
-                                  ["model.vocab_size=64", f"solver.bookkeeping={mode}", *extra])
+                                  ["model.vocab_size=64", f"solver.execution.bookkeeping={mode}", *extra])
         torch.manual_seed(0)
         model = fpscale.build_model(cfg).to(dtype)
         model.train()
@@ -298,11 +298,11 @@ def test_kernel_four_kernels_and_one_read_per_iteration():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_kernel_tp2_with_fused_bookkeeping_equals_the_whole_model(tmp_path):
-    """tests/parallel/run_tp_model.py with solver.bookkeeping=fused on fpsa (the flags agreed over the TP
+    """tests/parallel/run_tp_model.py with solver.execution.bookkeeping=fused on fpsa (the flags agreed over the TP
     group: consensus) and FP-Mamba (its split state: state_reduce), implicit backward: TP 2 = one process
     in float64 (loss, every gradient, every solve's iterations, forward and adjoint)."""
     os.environ["ONLY"] = "fpsa-implicit,fpmamba-householder-implicit"      # consensus; and a split state
-    os.environ["EXTRA"] = "solver.bookkeeping=fused"
+    os.environ["EXTRA"] = "solver.execution.bookkeeping=fused"
     try:
         torchrun(2, "tests/parallel/run_tp_model.py", [str(tmp_path)], timeout=400)
     finally:
@@ -312,10 +312,10 @@ def test_kernel_tp2_with_fused_bookkeeping_equals_the_whole_model(tmp_path):
 
 # ------------------------------------------------------------------- no kernel: the parent's tests
 def test_bookkeeping_is_validated_with_its_key():
-    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*'auto', 'fused', 'torch'"):
+    with pytest.raises(ConfigError, match=r"solver.execution.bookkeeping.*'auto', 'fused', 'torch'"):
         from_dict(SolverConfig, {"bookkeeping": "triton"}, "solver")
-    with pytest.raises(ConfigError, match=r"solver.bookkeeping.*Anderson"):
-        fpscale.load_config(None, ["solver.bookkeeping=fused", "solver.anderson=3"])
+    with pytest.raises(ConfigError, match=r"solver.execution.bookkeeping.*Anderson"):
+        fpscale.load_config(None, ["solver.execution.bookkeeping=fused", "solver.forward.anderson=3"])
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on CPU")

@@ -246,7 +246,7 @@ def test_consensus_runs_every_iteration_whatever_the_read_schedule(cfg):
 def test_check_every_is_validated(value):
     with pytest.raises(ConfigError) as info:
         from_dict(SolverConfig, {"check_every": value}, "solver")
-    assert "solver.check_every': must be >= 1" in str(info.value)
+    assert "solver.execution.check_every': must be >= 1" in str(info.value)
 
 
 # ---------------------------------------------------------------------- statistics: one read

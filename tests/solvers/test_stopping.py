@@ -285,7 +285,7 @@ def test_bad_inputs_raise_clear_errors():
     ("backward", "adjoint", "backward': must be one of 'implicit'"),
     ("tol", "small", "tol': expected a number"),
     ("max_iter", 2.5, "max_iter': expected an integer"),
-    ("freeze", True, "freeze': unknown key for SolverConfig (did you mean 'solver.freeze_converged'?)"),
+    ("freeze", True, "freeze': unknown key for SolverConfig (did you mean 'solver.forward.freeze_converged'?)"),
 ])
 def test_nonsense_solver_config_names_the_key(key, value, needle):
     with pytest.raises(ConfigError) as info:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 BASE = ["data.source=synthetic", "data.seq_len=16", "model.vocab_size=32", "model.d_model=32",
         "model.max_seq_len=32", "train.micro_batch=4", "train.global_batch=16", "train.warmup=2",
         "train.steps=8", "train.log_interval=1", "train.eval_interval=4", "train.eval_batches=4",
-        "train.save_interval=2", "train.keep_last=0", "solver.stop_quantile=0.0"]
+        "train.save_interval=2", "train.keep_last=0", "solver.forward.stop_quantile=0.0"]
 BASE += pinned("configs/tiny_mixed.yaml", BASE)      # fixed solver depths: a resume on another layout sums in
 # another order, where a tolerance stop could flip an iteration (tests/parallel/launch.py)
 LAYOUTS = {"zero1": (2, ["parallel.zero_stage=1"]), "zero3": (2, ["parallel.zero_stage=3"]),

@@ -22,7 +22,7 @@ def test_tiny_model_learns(layer_type, tmp_path):
         "data.source=synthetic", "data.seq_len=32", "data.period=3", "model.vocab_size=16", "model.d_model=32",
         "model.max_seq_len=64", "train.steps=100", "train.micro_batch=16", "train.global_batch=16",
         "train.eval_interval=100", "train.log_interval=100", "train.warmup=10", "train.lr=1e-2",
-        "train.min_lr=1e-3", "solver.tol=1e-2", "solver.max_iter=20", f"train.out_dir={tmp_path}"])
+        "train.min_lr=1e-3", "solver.forward.tol=1e-2", "solver.forward.max_iter=20", f"train.out_dir={tmp_path}"])
     cfg.model.layers = [layer_spec(layer_type, **({"solver": SOLVERS[layer_type]} if layer_type != "attn" else {}))]
     history = Trainer(cfg, log=False).train()
     start = math.log(16)                       # uniform prediction over the vocabulary
