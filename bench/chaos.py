@@ -195,6 +195,8 @@ def run_chaos(layout: str, interruptions: int, seed: int, out: str, steps: int =
             if code != 0:
                 problems.append(f"launch {i} (no fault) exited with {code}:\n{text[-3000:]}")
             break
+        if code != 0 and not hit:      # it failed before its fault fired: a crash of its own, not the chaos
+            problems.append(f"launch {i} exited with {code} before its fault ({fault}) fired:\n{text[-3000:]}")
         if code == 0 and launch.last_step >= steps:
             break                                     # the fault landed after the end: nothing to resume
         resumed = _newest_step(run_dir)
