@@ -89,13 +89,13 @@ def contraction(dtype, B=4, T=6, d=16, seed=0, bf16=False, bad_at=None, bad_samp
     return f, torch.zeros(B, T, d, dtype=dtype)
 
 
-def both(cfg: SolverConfig, dtype, quantile=0.25, real=None, max_iter=None, **map_kw):
+def both(cfg: SolverConfig, dtype, quantile=0.25, real=None, max_iter=None, count_entries=False, **map_kw):
     results = []
     for mode in ("torch", "fused"):
         f, z0 = contraction(dtype, **map_kw)
         with torch.no_grad():
             results.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=quantile,
-                                   real=real, max_iter=max_iter))
+                                   real=real, max_iter=max_iter, count_entries=count_entries))
     return results
 
 
@@ -149,13 +149,9 @@ def test_kernel_per_entry_counts_as_the_pytorch_loop(case, decisions):
     """``count_entries`` (fpsa's per-head iterations): the steps in which each entry changed, as the PyTorch
     loop counts them."""
     cfg = SolverConfig(**{"max_iter": 40, "decisions": decisions, **CASES[case]})
-    out = []
-    for mode in ("torch", "fused"):
-        f, z0 = contraction(torch.float32)
-        with torch.no_grad():
-            out.append(iterate(f, z0, dataclasses.replace(cfg, bookkeeping=mode), quantile=0.0, count_entries=True))
+    out = both(cfg, torch.float32, quantile=0.0, count_entries=True)
     assert_same(*out)
-    assert out[1].entry_iters.shape == z0.shape[:2] and torch.equal(out[0].entry_iters, out[1].entry_iters)
+    assert out[1].entry_iters.shape == out[1].z.shape[:2] and torch.equal(out[0].entry_iters, out[1].entry_iters)
 
 
 @interpreted
