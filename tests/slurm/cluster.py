@@ -6,8 +6,10 @@ slurm-client and munge; installed here when missing and we are root).
         cluster.wait(job, timeout=300)          # -> the job's final state
 
 Two nodes, ``node1`` and ``node2``, both this host (NodeAddr 127.0.0.1, one slurmd each on its own
-port), 2 CPUs each; a private slurm.conf via SLURM_CONF (the system's /etc/slurm is left alone);
-torn down with ``scontrol shutdown`` and munged stopped if we started it.
+port), 2 CPUs each; a private slurm.conf via SLURM_CONF (the system's /etc/slurm is left alone)
+and a private munged on its own socket (``AuthInfo=socket=...``), so two suites on one machine
+never share a daemon that one of them stops; torn down with ``scontrol shutdown`` and that munged
+stopped.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TOOLS = ["slurmctld", "slurmd", "sbatch", "scontrol", "munged"]
@@ -52,14 +55,20 @@ class LocalSlurm:
         self.dir = os.path.abspath(workdir)
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.env = {**os.environ, "SLURM_CONF": self.conf}
-        self.started_munged = False
+        # munged checks that its socket's and files' directories belong to the munge user and are
+        # not writable by others: /run/munge is such a directory, a test's tmp dir is not.
+        tag = f"fpscale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.munge_socket = f"/run/munge/{tag}.socket"
+        self.munge_files = {"pid-file": f"/run/munge/{tag}.pid", "seed-file": f"/run/munge/{tag}.seed",
+                            "log-file": f"/run/munge/{tag}.log"}
+        self.munged_started = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "LocalSlurm":
         os.makedirs(self.dir, exist_ok=True)
-        self._start_munge()
         self._write_conf()
         try:
+            self._start_munge()
             self._run(["slurmctld", "-f", self.conf])
             for node in ("node1", "node2"):
                 self._run(["slurmd", "-f", self.conf, "-N", node])
@@ -73,18 +82,29 @@ class LocalSlurm:
         subprocess.run(["scontrol", "shutdown"], env=self.env, capture_output=True, timeout=60)
         for pidfile in ("slurmctld.pid", "slurmd.node1.pid", "slurmd.node2.pid"):
             self._kill_pidfile(os.path.join(self.dir, pidfile), wait=10)
-        if self.started_munged:
-            self._kill_pidfile("/run/munge/munged.pid", wait=5)
+        if self.munged_started:
+            self._kill_pidfile(self.munge_files["pid-file"], wait=5)
+            for path in (self.munge_socket, self.munge_socket + ".lock", *self.munge_files.values()):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
 
     def _start_munge(self) -> None:
-        if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
-            return                                   # a munged is already serving
+        """Start this cluster's own munged (never the machine's: another suite may stop or use that)."""
         os.makedirs("/run/munge", exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
         if not os.path.exists("/etc/munge/munge.key"):
             subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/mungekey", "--create"], check=True)
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
-        self.started_munged = True
+        options = [f"--socket={self.munge_socket}", *(f"--{k}={v}" for k, v in self.munge_files.items())]
+        proc = subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", *options],
+                              capture_output=True, text=True, timeout=30)
+        if proc.returncode:
+            raise RuntimeError(f"munged {' '.join(options)} failed: {proc.stdout}{proc.stderr}")
+        self.munged_started = True
+        probe = subprocess.run(["munge", "-n", "-S", self.munge_socket], capture_output=True, timeout=30)
+        if probe.returncode:
+            raise RuntimeError(f"munged on {self.munge_socket} does not answer: {probe.stderr.decode()}")
 
     def _write_conf(self) -> None:
         d = self.dir
@@ -98,6 +118,7 @@ SlurmctldPort={ports[0]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket={self.munge_socket}
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

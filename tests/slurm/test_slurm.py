@@ -189,3 +189,17 @@ def test_srun_tasks_get_the_cpus_per_task_and_openmp_threads(cluster, tmp_path):
     assert info["JobState"] == "COMPLETED", log[-3000:]
     tasks = sorted(line for line in log.splitlines() if line.startswith("task "))
     assert tasks == ["task 0 cpus_per_task=2 omp=2 nproc=2", "task 1 cpus_per_task=2 omp=2 nproc=2"], log[-3000:]
+
+
+def test_a_second_cluster_on_this_machine_survives_the_first_ones_teardown(cluster, tmp_path):
+    """Two suites on one machine each start a LocalSlurm: each has its own munged (its own socket), so
+    one fixture's teardown cannot take authentication away from the other's jobs (issue 49: the shared
+    daemon, stopped by one suite, failed the other's sbatch with "Munge encode failed")."""
+    with LocalSlurm(str(tmp_path / "second")) as other:
+        assert other.munge_socket != cluster.munge_socket
+        assert os.path.exists(other.munge_socket)
+    assert not os.path.exists(other.munge_socket)             # stopped and cleaned up
+    out = tmp_path / "after.out"
+    job = cluster.sbatch(["--ntasks=1", "--gpus-per-node=0", f"--output={out}", "--wrap", "echo still-here"])
+    info = cluster.wait(job, timeout=120)
+    assert info["JobState"] == "COMPLETED" and "still-here" in out.read_text(), out.read_text()
