@@ -22,9 +22,16 @@ lets the watcher decide before the traceback, with a counter still for 4 beats a
 evidence: fpscale.cli.reported calls it for every unexpected exception. Cost: one store ``add``
 and one read of ``world`` counters per rank per ``interval_s`` (64 ranks at 2 s: 2,000 store
 operations per second in all).
+
+The thread is joined when the heartbeat stops, and at the interpreter's exit on any path (an
+``atexit`` hook): a daemon thread still inside a store call when Python finalizes is ended by
+``pthread_exit`` from pybind11's ``gil_scoped_release`` destructor, which aborts the process
+("terminate called without an active exception", SIGABRT) after the run's work is done
+(pytorch/pytorch#38228; it hit one rank of issue 49's chaos test under load).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -60,6 +67,7 @@ class Heartbeat:
         self.stopped = threading.Event()
         self.decided = threading.Event()
         self.main_reports = threading.Event()       # settle took the report over from the watcher
+        self.thread: threading.Thread | None = None
 
     @classmethod
     def start(cls, rank: int, world: int, timeout_s: float) -> "Heartbeat":
@@ -72,7 +80,9 @@ class Heartbeat:
         beat.store.set(f"fpscale/host/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         beat.store.add(_key(rank), 1)
         beat.watching.set()
-        threading.Thread(target=beat._run, name="fpscale-heartbeat", daemon=True).start()
+        beat.thread = threading.Thread(target=beat._run, name="fpscale-heartbeat", daemon=True)
+        beat.thread.start()
+        atexit.register(beat.stop)
         _active = beat
         return beat
 
@@ -84,8 +94,16 @@ class Heartbeat:
             _active = None
 
     def stop(self) -> None:
+        """Stop beating and join the thread. A store call in flight returns within the store's
+        timeout (``grace_s``); one whose store host is gone fails at once."""
         self.stop_watching()
         self.stopped.set()
+        atexit.unregister(self.stop)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.grace_s + self.interval_s)
+            if self.thread.is_alive():
+                print_error(f"the heartbeat thread is still inside a store call {self.grace_s:.0f} s after it was "
+                            f"stopped; the process may abort at exit")
 
     # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:

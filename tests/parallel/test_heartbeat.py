@@ -88,3 +88,30 @@ def test_the_other_ranks_exit_within_the_timeout_naming_the_rank_that_vanished(t
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+
+
+EXIT_WHILE_BEATING = """
+import os, sys, time
+import torch.distributed as dist
+from fpscale.parallel import heartbeat
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+heartbeat.timings = lambda timeout_s: (0.0, 5.0)      # beat without pause: the thread lives in store.add
+heartbeat.Heartbeat.start(0, 1, 10)
+time.sleep(0.3)
+dist.destroy_process_group()
+if sys.argv[2] == "raise":
+    raise SystemExit(3)                               # an error path: nobody calls stop()
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_a_process_that_exits_while_its_heartbeat_is_in_a_store_call_exits_cleanly(ending):
+    """Issue 49's abort: a daemon thread inside a store call when Python finalizes is ended by
+    pthread_exit from pybind11's gil_scoped_release destructor -> std::terminate, SIGABRT
+    (pytorch/pytorch#38228). Before the atexit join this script aborted 6 times out of 6."""
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_BEATING, str(free_port()), ending], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == (0 if ending == "return" else 3), proc.stderr[-3000:]
+        assert "terminate called" not in proc.stderr
