@@ -23,6 +23,9 @@ within each row of the table (``--repeats`` of each, interleaved).
     python bench/decode.py --quick                               # T 8, 4 new tokens (tests)
     python bench/decode.py --configs configs/tiny_looped.yaml --modes exact fixed_point --T 64
     python bench/decode.py --threads 1 --batch 8 --modes fixed_point --compact off on --T 64
+    python bench/decode.py --configs runs/tiny_mixed/final --batch 8 --modes fixed_point --compact off on --T 64
+
+A ``--configs`` entry that is a folder is a trained model (its config.yaml and model.safetensors, a run's ``final``).
 """
 from __future__ import annotations
 
@@ -75,9 +78,16 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
             compact: tuple[str, ...] = ("on",)) -> list[dict]:
     """One row per ``compact`` setting; the settings' runs interleaved ``repeats`` times."""
     # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
-    cfg = fpscale.load_config(path, [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
+    folder = Path(path) if Path(path).is_dir() else None         # a trained model: config.yaml, model.safetensors
+    cfg = fpscale.load_config(str(folder / "config.yaml") if folder else path,
+                              [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
     torch.manual_seed(seed)      # an init that draws from the global generator (the same weights in every row)
     model = fpscale.build_model(cfg).eval()
+    if folder is not None:
+        from safetensors.torch import load_file
+        missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+        if [k for k in missing if k != "lm_head"] or unexpected:         # lm_head: tied to the embedding
+            raise SystemExit(f"{folder}: weights do not match its config ({missing}, {unexpected})")
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
     pad = torch.arange(batch) * T // (2 * batch) if batch > 1 else None
     layers = model.fixed_point_layers()
@@ -102,7 +112,7 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
     out = []
     for setting, got in runs.items():
         _, iters, rows, nbytes = got[-1]
-        out.append({"config": Path(path).stem, "mode": mode, "T": T, "new": new, "batch": batch, "compact": setting,
+        out.append({"config": str(folder) if folder else Path(path).stem, "mode": mode, "T": T, "new": new, "batch": batch, "compact": setting,
                     "ms_per_token": 1e3 * min(g[0] for g in got), "ms_runs": [1e3 * g[0] for g in got],
                     "cache_mb": nbytes / 2 ** 20,
                     "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,

@@ -70,7 +70,8 @@ class StackedBlocks(FixedPointLayer):
             return self.shards.exit(relu2(h, self.w_fc[l], self.w_proj[l]))
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
-    def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict, rows_of: Callable | None = None) -> torch.Tensor:
+    def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict,
+               rows_of: Callable | None = None) -> torch.Tensor:
         """The solve of cached decoding: ``f_of(s, past, collect)`` is the map reading the past's K/V of
         every block at this iteration and appending its own (k, v) per block to ``collect``;
         ``rows_of(index)`` the same map over rows ``index`` of the per-row inputs (fixed_point mode's row

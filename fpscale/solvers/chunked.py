@@ -239,7 +239,7 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                     state = begin        # the last finite iterate
                 why, done = code, True
                 break
-            if rows is not None:
+            if rows is not None and active is not None:
                 rows.shrink(active, left[0])
             k0 += length
             continue

@@ -60,6 +60,7 @@ class RowCompaction:
             fz = self.f(z)
             self.row_iterations += z.shape[0]
         else:
+            assert self.fill is not None         # a restriction follows a call on every row
             part = self.current(z.index_select(0, self.index))
             fz = self.fill.index_copy(0, self.index, part.to(self.fill.dtype))
             self.row_iterations += self.index.numel()

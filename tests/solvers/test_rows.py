@@ -27,13 +27,18 @@ def row_map(calls: list):
             return a * torch.tanh(z @ W) + xs
         return f
     everything = on(torch.arange(8))
-    f = (lambda z: everything(z))
-    f.rows = on
+
+    def f(z):
+        return everything(z)
+    f.rows = on         # type: ignore[attr-defined]
     return f, torch.zeros_like(x)
 
 
 def plain(f):
-    return lambda z: f(z)        # the same map without ``rows``: no compaction
+    """The same map without ``rows``: no compaction."""
+    def g(z):
+        return f(z)
+    return g
 
 
 @pytest.mark.parametrize("anderson", [0, 3])
