@@ -112,7 +112,8 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
     out = []
     for setting, got in runs.items():
         _, iters, rows, nbytes = got[-1]
-        out.append({"config": str(folder) if folder else Path(path).stem, "mode": mode, "T": T, "new": new, "batch": batch, "compact": setting,
+        out.append({"config": str(folder) if folder else Path(path).stem, "mode": mode, "T": T, "new": new,
+                    "batch": batch, "compact": setting,
                     "ms_per_token": 1e3 * min(g[0] for g in got), "ms_runs": [1e3 * g[0] for g in got],
                     "cache_mb": nbytes / 2 ** 20,
                     "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,

@@ -1,7 +1,7 @@
 """``decode.compact`` (fpscale.solvers.rows): in ``fixed_point`` decoding a batch's done rows leave the solve; the
-decode equals the uncompacted one (greedy tokens identical; logits within 1e-5 in float32, measured up to 4e-6
-(fpmamba): not 0 because a restricted map's batched products round otherwise than the whole batch's, and the
-next tokens read what those rows computed) and f computes fewer rows.
+decode equals the uncompacted one (greedy tokens identical; logits within 2e-5 in float32, measured up to 4e-6
+(fpmamba) and 8.5e-6 (fpmamba2): not 0 because a restricted map's batched products round otherwise than the
+whole batch's, and the next tokens read what those rows computed) and f computes fewer rows.
 
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python -m pytest -q -n 0 tests/models/test_decode_rows.py
 """
@@ -13,7 +13,7 @@ from fpscale.errors import ConfigError
 from tests.models.helpers import tiny_model
 from tests.models.test_decode_cache import SOLVER, attractor_model
 
-TOL = 1e-5
+TOL = 2e-5
 
 
 def spread_model(kind: str, solver: dict = SOLVER):
@@ -49,7 +49,8 @@ def totals(stats) -> tuple[int, int]:
     return (sum(v for s in stats[1:] for v in s.values()), sum(v for s in stats[1:] for v in s.rows.values()))
 
 
-@pytest.mark.parametrize("kind", ["fpsa", "looped", "fpmamba", pytest.param("attractor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["fpsa", "looped", "fpmamba", pytest.param("attractor", marks=pytest.mark.slow),
+                                  pytest.param("fpmamba2", marks=pytest.mark.slow)])
 def test_compacted_decoding_equals_uncompacted_with_fewer_rows_computed(kind):
     model = spread_model(kind)
     ref, ref_logits, ref_stats = decode(model, compact=False)
