@@ -135,7 +135,6 @@ class FixedPointLayer(LoopedLayer):
         return z
 
 
-
 def _with_rows(f: Callable, rows: Callable) -> Callable:
     """f offering ``f.rows(index)`` (fpscale.solvers.rows)."""
     def mapped(z):
