@@ -184,9 +184,9 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
     cap_t, low_t, lim_t, never = scalar(cap), scalar(low), scalar(limit), scalar(NEVER)
     masked = fixed or K > 1          # the eager loop (a chunk of one, read every iteration) needs no masks
     # the eager loop's row compaction (fpscale.solvers.rows): f leaves the rows whose entries are all frozen
-    rows = RowCompaction(step, state.last_f is not None) if RowCompaction.wanted(step, cfg, ctx, masked) else None
-    if rows is not None:
-        step = rows
+    rows = None
+    if RowCompaction.wanted(step, cfg, ctx, masked, z0.shape[0]):
+        step = rows = RowCompaction(step, state.last_f is not None)
 
     def run(state, k0: int, length: int, cap_v, bad_at):
         nonlocal traced, graphed

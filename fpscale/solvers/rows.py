@@ -49,9 +49,9 @@ class RowCompaction:
         self.compactions = 0
 
     @staticmethod
-    def wanted(step, cfg, ctx, masked: bool) -> bool:
-        """Whether this solve compacts its rows (module docstring, "Where")."""
-        return (getattr(step, "rows", None) is not None and not masked and cfg.decisions == "token"
+    def wanted(step, cfg, ctx, masked: bool, batch: int) -> bool:
+        """Whether this solve compacts its rows (module docstring, "Where"; a batch of one has none to drop)."""
+        return (batch > 1 and getattr(step, "rows", None) is not None and not masked and cfg.decisions == "token"
                 and not torch.is_grad_enabled() and ctx.consensus is None and ctx.state_reduce is None
                 and ctx.agree is None and not torch.compiler.is_compiling())
 
