@@ -47,12 +47,15 @@ def test_a_compacted_solve_equals_the_solve_over_every_row_and_computes_fewer_ro
     calls: list = []
     f, z0 = row_map(calls)
     with torch.no_grad():
-        ref, ref_stats = solve(plain(f), z0, cfg, training=False)
+        ref, ref_stats = solve(plain(f), z0, cfg, training=False, count_entries=True)
         calls.clear()
-        z, stats = solve(f, z0, cfg, training=False)
+        z, stats = solve(f, z0, cfg, training=False, count_entries=True)
     assert torch.allclose(z, ref, rtol=0, atol=1e-6), float((z - ref).abs().max())
     assert stats.iterations == ref_stats.iterations and stats.stopped_by == ref_stats.stopped_by == "converged"
     assert torch.equal(stats.token_converged, ref_stats.token_converged)
+    assert torch.equal(stats.retired_at, ref_stats.retired_at)            # per row, as without compaction
+    assert torch.equal(stats.entry_iterations, ref_stats.entry_iterations)
+    assert stats.final_eta.shape == ref_stats.final_eta.shape and stats.sample_residual.shape == (8,)
     assert ref_stats.row_iterations == 8 * ref_stats.iterations
     assert stats.row_iterations == sum(len(c) for c in calls) < ref_stats.row_iterations
     # each restriction at most half the rows of the one before, and never a row that is still running dropped
