@@ -9,11 +9,23 @@ steps' wall times (the fastest of ``--repeats`` runs: load from other work comes
 ``per_block_kb`` that divided by the tokens and by the model's attention blocks (an ``attn`` layer, each
 block of a ``looped`` core or an ``attractor`` head; an fpsa layer counts as one), a plain model's K/V per
 token and block being 2 x d_model x 4 bytes. ``iters/token`` is the mean, over the decoded tokens and
-the looped layers, of the solver iterations each new token's solve took.
+the looped layers, of the solver iterations each new token's solve took; ``rows/step`` the mean, over the
+decoded tokens and the looped layers, of the rows f computed in a step's solve summed over its iterations
+(``SolverStats.row_iterations``: batch x iterations, less where ``decode.compact`` let the batch's done rows
+leave the solve, fpscale.solvers.rows).
+
+``--batch B`` decodes B rows at once: B random prompts, row b left-padded by b T / (2 B) tokens (prompts of
+different contents and lengths, so their solves converge at different iterations); ``--compact on off``
+measures with the rows' compaction and without it (the same code path as before it existed), alternated
+within each row of the table (``--repeats`` of each, interleaved).
 
     python bench/decode.py --threads 1                           # every tiny config, T 64 and 512, 32 new tokens
     python bench/decode.py --quick                               # T 8, 4 new tokens (tests)
     python bench/decode.py --configs configs/tiny_looped.yaml --modes exact fixed_point --T 64
+    python bench/decode.py --threads 1 --batch 8 --modes fixed_point --compact off on --T 64
+    python bench/decode.py --configs runs/tiny_mixed/final --batch 8 --modes fixed_point --compact off on --T 64
+
+A ``--configs`` entry that is a folder is a trained model (its config.yaml and model.safetensors, a run's ``final``).
 """
 from __future__ import annotations
 
@@ -30,6 +42,7 @@ from fpscale.layers.step_cache import TokenBuffer
 
 TINY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("tiny_*.yaml"))
 COLUMNS = ["config", "mode", "T", "ms_per_token", "cache_mb", "per_block_kb", "iters_per_token"]
+BATCH_COLUMNS = ["config", "mode", "batch", "compact", "T", "ms_per_token", "iters_per_token", "rows_per_step"]
 
 
 def cache_bytes(obj, seen: set | None = None) -> int:
@@ -61,33 +74,52 @@ def attention_blocks(cfg) -> int:
     return n
 
 
-def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0) -> dict:
+def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0, batch: int = 1,
+            compact: tuple[str, ...] = ("on",)) -> list[dict]:
+    """One row per ``compact`` setting; the settings' runs interleaved ``repeats`` times."""
     # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
-    cfg = fpscale.load_config(path, [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
+    folder = Path(path) if Path(path).is_dir() else None         # a trained model: config.yaml, model.safetensors
+    cfg = fpscale.load_config(str(folder / "config.yaml") if folder else path,
+                              [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
     torch.manual_seed(seed)      # an init that draws from the global generator (the same weights in every row)
     model = fpscale.build_model(cfg).eval()
-    prompt = torch.randint(0, cfg.model.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+    if folder is not None:
+        from safetensors.torch import load_file
+        missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+        if [k for k in missing if k != "lm_head"] or unexpected:         # lm_head: tied to the embedding
+            raise SystemExit(f"{folder}: weights do not match its config ({missing}, {unexpected})")
+    prompt = torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
+    pad = torch.arange(batch) * T // (2 * batch) if batch > 1 else None
     layers = model.fixed_point_layers()
-    medians = []
+    runs: dict = {c: [] for c in compact}
     for _ in range(repeats):          # the same tokens each time; the fastest repeat's median (load comes and goes)
-        times, iters = [], []
-        with torch.no_grad(), model.decode_cache(mode):
-            caches = model.new_caches()
-            logits = model(prompt, caches=caches)[:, -1]
-            tokens = prompt
-            for _ in range(new):
-                tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
-                t0 = time.perf_counter()
-                logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1)[:, -1]
-                times.append(time.perf_counter() - t0)
-                iters += [layer.last_stats.iterations for layer in layers.values() if layer.last_stats is not None]
-        medians.append(statistics.median(times))
-    nbytes = cache_bytes(caches)
+        for setting in compact:
+            times, iters, rows = [], [], []
+            with torch.no_grad(), model.decode_cache(mode, setting == "on"):
+                caches = model.new_caches()
+                logits = model(prompt, caches=caches, pad=pad)[:, -1]
+                tokens = prompt
+                for _ in range(new):
+                    tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+                    t0 = time.perf_counter()
+                    logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)[:, -1]
+                    times.append(time.perf_counter() - t0)
+                    done = [layer.last_stats for layer in layers.values() if layer.last_stats is not None]
+                    iters += [st.iterations for st in done]
+                    rows += [st.row_iterations for st in done]
+            runs[setting].append((statistics.median(times), iters, rows, cache_bytes(caches)))
     blocks = attention_blocks(cfg)
-    return {"config": Path(path).stem, "mode": mode, "T": T, "new": new,
-            "ms_per_token": 1e3 * min(medians), "cache_mb": nbytes / 2 ** 20,
-            "per_block_kb": nbytes / (T + new) / blocks / 2 ** 10 if blocks else None,
-            "iters_per_token": statistics.mean(iters) if iters else None, "cache_bytes": nbytes}
+    out = []
+    for setting, got in runs.items():
+        _, iters, rows, nbytes = got[-1]
+        out.append({"config": str(folder) if folder else Path(path).stem, "mode": mode, "T": T, "new": new,
+                    "batch": batch, "compact": setting,
+                    "ms_per_token": 1e3 * min(g[0] for g in got), "ms_runs": [1e3 * g[0] for g in got],
+                    "cache_mb": nbytes / 2 ** 20,
+                    "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,
+                    "iters_per_token": statistics.mean(iters) if iters else None,
+                    "rows_per_step": statistics.mean(rows) if rows else None, "cache_bytes": nbytes})
+    return out
 
 
 def main(argv=None) -> int:
@@ -98,14 +130,20 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32, help="new tokens decoded after the prompt")
     ap.add_argument("--repeats", type=int, default=3, help="decoding runs per row: the fastest one's median")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded at once (prompts of different lengths)")
+    ap.add_argument("--compact", nargs="+", default=["on"], choices=["on", "off"],
+                    help="decode.compact settings to measure, interleaved (fixed_point mode compacts)")
     ap.add_argument("--quick", action="store_true", help="T 8, 4 new tokens (a test's size)")
     ap.add_argument("--out", help="JSON path (default bench/results/decode.json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.new, args.repeats = [8], 4, 1
     torch.set_num_threads(args.threads)
-    rows = [measure(c, m, T, args.new, args.repeats) for c in args.configs for T in args.T for m in args.modes]
-    print_table(rows, COLUMNS)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    rows = [row for c in args.configs for T in args.T for m in args.modes
+            for row in measure(c, m, T, args.new, args.repeats, batch=args.batch, compact=tuple(args.compact))]
+    print_table(rows, BATCH_COLUMNS if args.batch > 1 or len(args.compact) > 1 else COLUMNS)
     write_json("decode", {"args": vars(args), "rows": rows}, args.out)
     return 0
 

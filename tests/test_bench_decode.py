@@ -60,3 +60,20 @@ def test_agreement_per_layer_type(tmp_path):
     assert rows[1]["max_logit_diff"] > 0 and rows[1]["iters_per_token"] >= 1
     bad = subprocess.run(cmd + ["--only", "attractor"], cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert bad.returncode != 0 and "no such looped layer" in bad.stderr and "fpsa" in bad.stderr
+
+
+def test_a_batch_with_compaction_computes_no_more_rows_and_exact_does_not_compact(tmp_path):
+    """``--batch 4 --compact off on``: off computes batch x iterations rows per step; on no more, and in exact
+    mode exactly as many (exact does not compact: fpscale.solvers.rows)."""
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "bench/decode.py", "--quick", "--batch", "4", "--compact", "off", "on", "--configs",
+           "configs/tiny_attractor.yaml", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rows_per_step" in proc.stdout
+    rows = {(r["mode"], r["compact"]): r for r in json.loads(out.read_text())["rows"]}
+    for mode in ("exact", "fixed_point"):
+        off, on = rows[mode, "off"], rows[mode, "on"]
+        assert off["rows_per_step"] == pytest.approx(4 * off["iters_per_token"])
+        assert on["rows_per_step"] <= off["rows_per_step"]
+    assert rows["exact", "on"]["rows_per_step"] == rows["exact", "off"]["rows_per_step"]

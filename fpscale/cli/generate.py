@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", choices=["exact", "fixed_point"], default=None,
                     help="what the looped layers cache of past tokens (decode.cache; default: the config's, "
                          "docs/decoding.md)")
+    ap.add_argument("--no-compact", action="store_true",
+                    help="fixed_point cache: run every row of a batch of prompts to the slowest one's last iteration "
+                         "(decode.compact: false; by default a row whose token converged leaves the solve)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
@@ -70,7 +73,8 @@ def main(argv=None) -> int:
     with model.eval_depth(args.depth):
         out = fpscale.generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed),
-                               pad=pad if bool(pad.any()) else None, cache=args.cache)
+                               pad=pad if bool(pad.any()) else None, cache=args.cache,
+                               compact=False if args.no_compact else None)
     for row, n_pad in zip(out.tolist(), pad.tolist()):
         print(sp.decode(row[n_pad:]))
     for name, st in model.layer_stats().items():

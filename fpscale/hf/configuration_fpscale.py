@@ -12,6 +12,8 @@ layer_eval_depth   per layer, by index in the expanded stack, over ``eval_depth`
                    string "1:16;3:4" (lm-evaluation-harness's --model_args cannot hold a dict)
 decode_cache       ``decode.cache``: exact (the default) or fixed_point, what generate()'s cache keeps of
                    the looped layers' past (docs/decoding.md); read at every forward, like the depths
+decode_compact     ``decode.compact``: in fixed_point mode a batch's rows whose tokens converged leave the solve
+                   (True, the default) or run to the slowest row's last iteration (False)
 """
 from __future__ import annotations
 
@@ -54,12 +56,14 @@ class FpscaleConfig(PretrainedConfig):
     model_type = "fpscale"
 
     def __init__(self, fpscale_model: dict | None = None, fpscale_solver: dict | None = None,
-                 eval_depth: int | None = None, layer_eval_depth=None, decode_cache: str = "exact", **kwargs):
+                 eval_depth: int | None = None, layer_eval_depth=None, decode_cache: str = "exact",
+                 decode_compact: bool = True, **kwargs):
         self.fpscale_model = dict(fpscale_model or {})
         self.fpscale_solver = dict(fpscale_solver or {})
         self.eval_depth = check_depth(eval_depth)
         self.layer_eval_depth = parse_layer_depths(layer_eval_depth)
         self.decode_cache = decode_cache
+        self.decode_compact = decode_compact
         m = self.fpscale_model
         # the fields transformers and lm-evaluation-harness read (sequence length, sizes, tokens)
         self.vocab_size = kwargs.pop("vocab_size", m.get("vocab_size"))

@@ -96,6 +96,7 @@ def hf_config(cfg, eval_depth: int | None = None, ids: dict | None = None) -> di
         "eval_depth": eval_depth,
         "layer_eval_depth": {},
         "decode_cache": cfg.decode.cache,
+        "decode_compact": cfg.decode.compact,
         "vocab_size": model["vocab_size"],
         "hidden_size": model["d_model"],
         "num_attention_heads": model["n_heads"],

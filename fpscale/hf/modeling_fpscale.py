@@ -102,15 +102,18 @@ class FpscaleForCausalLM(FpscalePreTrainedModel, GenerationMixin):
         return self.model.embed
 
     def apply_eval_depth(self) -> None:
-        """Set every looped layer's evaluation cap (per layer over the global one) and decoding cache mode
-        (``decode_cache``) from the config."""
+        """Set every looped layer's evaluation cap (per layer over the global one), decoding cache mode
+        (``decode_cache``) and row compaction (``decode_compact``) from the config."""
         depth, per_layer = eval_depths(self.config)
         mode = getattr(self.config, "decode_cache", "exact")
         if mode not in CACHE_MODES:
             raise ValueError(f"decode_cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+        compact = getattr(self.config, "decode_compact", True)
+        if not isinstance(compact, bool):
+            raise ValueError(f"decode_compact must be true or false, got {compact!r}")
         for name, layer in self.model.looped_layers().items():
             layer.eval_depth = per_layer.get(name.split(".")[1], depth)
-            layer.decode_cache = mode
+            layer.decode_cache, layer.decode_compact = mode, compact
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: FpscaleCache | None = None, use_cache: bool | None = None,

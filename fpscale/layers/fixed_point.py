@@ -102,17 +102,21 @@ class FixedPointLayer(LoopedLayer):
 
     def fixed_point(self, f: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor,
                     real: torch.Tensor | None = None, step_cache: StepCache | None = None,
-                    count_entries: bool = False) -> torch.Tensor:
+                    count_entries: bool = False, rows: Callable | None = None) -> torch.Tensor:
         """The layer's output for the solve of f from z0 (z*, or f(z*) after it where the backward
         mode's forward applies it: ``SolverConfig.eval_output``); ``real`` [B, T] marks the real
         tokens of left-padded rows (padding never holds up the stop test). ``step_cache``
         (decoding): f reads and records per-iteration entries (fpscale.layers.step_cache); the
         solve covers the past's iterations and f is applied to z* once more where the output
         step did not record the final entry. ``count_entries``: ``last_stats.entry_iterations`` counts
-        each entry's iterations (SolveContext)."""
+        each entry's iterations (SolveContext). ``rows(index)`` (decoding): f on the rows ``index`` alone, which
+        the solve uses to compact its batch in ``fixed_point`` mode with ``decode_compact`` on
+        (fpscale.solvers.rows); elsewhere it is not offered and f runs on every row."""
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
+        if rows is not None and step_cache is not None and step_cache.fixed and self.decode_compact:
+            f = _with_rows(f, rows)
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus(),
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
                                    real=real, iterate_free=self.iterate_free,
@@ -130,3 +134,10 @@ class FixedPointLayer(LoopedLayer):
                     f(z.detach())
         return z
 
+
+def _with_rows(f: Callable, rows: Callable) -> Callable:
+    """f offering ``f.rows(index)`` (fpscale.solvers.rows)."""
+    def mapped(z):
+        return f(z)
+    mapped.rows = rows       # type: ignore[attr-defined]
+    return mapped

@@ -57,7 +57,7 @@ from fpscale.layers.fpmamba import FPMambaBlock
 from fpscale.layers.fpmamba_map import add_mixer_params, scan_flops, shift_in, weight_normed
 from fpscale.layers.mixers import apply_mixer, kronecker_factors, mixer_flops, mixer_static
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import replace
+from fpscale.layers.step_cache import replace, take_rows
 from fpscale.ops.ssd import ssd
 
 
@@ -290,7 +290,13 @@ class FPMamba2Mixer(FixedPointLayer):
                 steps.record(y=yy[:, -1], h=h_last)
                 return y_new
 
-            y = self.fixed_point(f, z0, real, steps)
+            def rows(index):        # f on rows ``index`` (fixed_point decoding's row compaction), sliced once
+                u_r, gate_r, bc_r, dt_r, real_r = (take_rows(t, index) for t in (u, gate, bc, dt, real))
+                y_r, h_r = (steps.past_rows(n, index, 0) for n in "yh")
+                static_r = self.static(u_r)
+                return lambda yy: self.step(yy, u_r, gate_r, bc_r, dt_r, y_r, h_r, static=static_r, real=real_r)
+
+            y = self.fixed_point(f, z0, real, steps, rows=rows)
             steps.store(cache, {"y": replace, "h": replace})
             cache.update(y=y[:, -1].detach(), **{k: w.detach() for k, w in windows.items()})
         if self.gate == "both":

@@ -20,7 +20,7 @@ from fpscale.layers.common import (
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.fpmamba_init import init_authors
 from fpscale.layers.mixers import apply_mixer, make_mixer_params, mixer_static
-from fpscale.layers.step_cache import replace
+from fpscale.layers.step_cache import replace, take_rows
 from fpscale.ops.scan_kernels import scan
 
 
@@ -277,7 +277,13 @@ class FPMambaMixer(FixedPointLayer):
                 steps.record(y=yy[:, -1], h=h_last)
                 return y_new
 
-            y = self.fixed_point(f, torch.zeros_like(u), real, steps)
+            def rows(index):        # f on rows ``index`` (fixed_point decoding's row compaction), sliced once
+                u_r, gate_r, real_r = (take_rows(t, index) for t in (u, gate, real))
+                y_r, h_r = (steps.past_rows(n, index, 0) for n in "yh")
+                static_r = self.static(u_r)
+                return lambda yy: self.step(yy, u_r, gate_r, y_r, h_r, static=static_r, real=real_r)
+
+            y = self.fixed_point(f, torch.zeros_like(u), real, steps, rows=rows)
             steps.store(cache, {"y": replace, "h": replace})
             cache.update(y=y[:, -1].detach())
             if window is not None:

@@ -63,7 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import TokenBuffer, along, with_new
+from fpscale.layers.step_cache import TokenBuffer, along, take_rows, with_new
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -221,8 +221,14 @@ class FPSAttention(FixedPointLayer):
             steps.record(k=keys[0].contiguous())
             return out
 
+        def rows(index):        # f on rows ``index`` (fixed_point decoding: fpscale.solvers.rows), sliced once
+            h_r, v_r, pad_r = h.index_select(0, index), v_all.index_select(0, index), take_rows(pad, index)
+            cos_r, sin_r = (t if pad is None else t.index_select(0, index) for t in (cos, sin))
+            past_k = steps.past_rows("k", index, h.shape[1]) if steps is not None else None
+            return lambda z: step(z, h_r, w_qk, v_r, cos_r, sin_r, scale, past_k, pad_r)
+
         # with freezing, the solver counts each entry's iterations (a frozen entry is not updated)
-        z = self.fixed_point(f, z0, real, steps, count_entries=self.solver.freeze_converged)
+        z = self.fixed_point(f, z0, real, steps, count_entries=self.solver.freeze_converged, rows=rows)
         self.last_stats = FPSAStats(self.last_stats, n_heads, real,  # type: ignore
                                     self.head_offset(n_heads) if heads else None)
         if heads:

@@ -22,6 +22,7 @@ from fpscale.layers.attn import heads_and_mlp
 from fpscale.layers.common import attention_flops, causal_conv, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.stacked import StackedBlocks
+from fpscale.layers.step_cache import take_rows
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -107,8 +108,13 @@ class LoopedCore(StackedBlocks):
             s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, None, pad=pad), torch.zeros_like(x),
                                  real)
         else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
+            def rows_of(index):      # the map over rows ``index`` (fixed_point decoding's row compaction)
+                inj, pad_r = inject.index_select(0, index), take_rows(pad, index)
+                cos_r, sin_r = (t if pad is None else t.index_select(0, index) for t in (cos, sin))
+                return lambda s, past, collect: self.one_pass(a2 * s + inj, cos_r, sin_r, past, collect, pad_r)
+
             s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, pad),
-                            torch.zeros_like(x), real, cache)
+                            torch.zeros_like(x), real, cache, rows_of)
             if window is not None:
                 cache["conv"] = window.detach()
         return s.to(x.dtype)

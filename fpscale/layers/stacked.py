@@ -70,9 +70,12 @@ class StackedBlocks(FixedPointLayer):
             return self.shards.exit(relu2(h, self.w_fc[l], self.w_proj[l]))
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
-    def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict) -> torch.Tensor:
+    def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict,
+               rows_of: Callable | None = None) -> torch.Tensor:
         """The solve of cached decoding: ``f_of(s, past, collect)`` is the map reading the past's K/V of
-        every block at this iteration and appending its own (k, v) per block to ``collect``."""
+        every block at this iteration and appending its own (k, v) per block to ``collect``;
+        ``rows_of(index)`` the same map over rows ``index`` of the per-row inputs (fixed_point mode's row
+        compaction, fpscale.solvers.rows: the past's K/V of those rows are taken here, once)."""
         steps = self.step_cache(cache)
 
         def f(s):
@@ -81,6 +84,12 @@ class StackedBlocks(FixedPointLayer):
             steps.record_kv(collected, z0.shape[1])
             return out
 
-        s = self.fixed_point(f, z0, real, steps)
+        def rows(index):
+            f_r, new = rows_of(index), z0.shape[1]
+            past = (None if steps.past_iters is None else
+                    [{kv: steps.past_rows(f"{kv}{l}", index, new) for kv in "kv"} for l in range(self.blocks)])
+            return lambda s: f_r(s, past, None)
+
+        s = self.fixed_point(f, z0, real, steps, rows=rows if rows_of is not None else None)
         steps.store_kv(cache, self.blocks)
         return s

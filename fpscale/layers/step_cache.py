@@ -89,6 +89,22 @@ class TokenBuffer:
         return out
 
 
+def take_rows(x, index: torch.Tensor, room: int = 0):
+    """Rows ``index`` (dim 0) of a per-row input or cache entry, for a map restricted to them (fpscale.solvers.rows):
+    None stays None; a TokenBuffer becomes a new one holding those rows' filled part and ``room`` free tokens
+    (what the restricted map's ``with_new`` writes each iteration: no copy per iteration)."""
+    if x is None:
+        return None
+    if isinstance(x, TokenBuffer):
+        shape = list(x.data.shape)
+        shape[0], shape[x.dim] = index.numel(), x.n + room
+        out = object.__new__(TokenBuffer)
+        out.data, out.dim, out.n = x.data.new_empty(shape), x.dim, x.n
+        out.data.narrow(x.dim, 0, x.n).copy_(x.view().index_select(0, index))
+        return out
+    return x.index_select(0, index)
+
+
 def with_new(past, new: torch.Tensor, dim: int) -> torch.Tensor:
     """The past's entries (a tensor, or a TokenBuffer written in place) followed by the new tokens'."""
     return past.with_new(new) if isinstance(past, TokenBuffer) else torch.cat([past, new], dim)
@@ -149,6 +165,10 @@ class StepCache:
                 self.finals.append({k: v.detach().clone() for k, v in entries.items()})
             return
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
+
+    def past_rows(self, name: str, index: torch.Tensor, room: int):
+        """``past(name)`` of rows ``index`` (``take_rows``): fixed_point mode, where every iteration reads one entry."""
+        return take_rows(self.past(name), index, room)
 
     def past_kv(self, blocks: int) -> list[dict] | None:
         """Attention blocks' past keys and values at this call (``k{l}``, ``v{l}``; the looped core's

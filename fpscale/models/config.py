@@ -108,10 +108,13 @@ class DecodeConfig:
     ``cache: exact`` keeps what each fixed-point layer's map reads of a past token at every iteration,
     so decoding repeats the full forward exactly (the reference); ``fixed_point`` keeps one entry per past
     token, the fixed point's, a plain model's cache size, equal to the full forward where the solves
-    converged."""
+    converged. ``compact`` (fixed_point only): a batch's solve runs its map only on the rows not yet done
+    (fpscale.solvers.rows), so a row that converged stops paying for the slowest one's iterations."""
 
     cache: str = "exact"
+    compact: bool = True
 
     def validate(self, prefix: str = "decode") -> None:
         check(self.cache in CACHE_MODES, f"{prefix}.cache",
               f"must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+        check(isinstance(self.compact, bool), f"{prefix}.compact", f"must be true or false, got {self.compact!r}")

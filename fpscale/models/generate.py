@@ -8,11 +8,14 @@
 lengths are right-aligned); every row then decodes as it would alone. ``cache`` is ``decode.cache``
 (exact, fixed_point: docs/decoding.md; None: the model's, set from the config by build_model);
 ``stats``, a list, receives one dict per forward (the prompt's, then one per new token): each looped
-layer's solver iterations in it, so a token that converged early shows what it saved:
+layer's solver iterations in it, so a token that converged early shows what it saved, and in its ``rows``
+the rows f computed in that solve's loop, summed over its iterations (batch x iterations, less where the
+batch's done rows left the solve: ``compact``, ``decode.compact``, fpscale.solvers.rows; None: as set):
 
     steps = []
     out = fpscale.generate(model, prompt, 32, cache="fixed_point", stats=steps)
     [s["layers.3.core"] for s in steps[1:]]          # iterations per new token of one layer
+    [s.rows["layers.3.core"] for s in steps[1:]]     # the rows f computed per new token of one layer
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              use_cache: bool = True, top_k: int | None = None, generator: torch.Generator | None = None,
              return_logits: bool = False, pad: torch.Tensor | None = None, cache: str | None = None,
-             stats: list | None = None):
+             stats: list | None = None, compact: bool | None = None):
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if max_new_tokens < 0:
@@ -35,7 +38,7 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
                          "single-process model (parallel.tp = 1)")
     was_training = model.training
     model.eval()
-    with model.decode_cache(cache):
+    with model.decode_cache(cache, compact):
         try:
             return _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits,
                            pad, stats)
@@ -47,7 +50,7 @@ def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, genera
     def forward(*args, **kwargs):
         out = model(*args, **kwargs)[:, -1]
         if stats is not None:
-            stats.append({name: st.iterations for name, st in model.solver_stats().items()})
+            stats.append(StepStats(model.solver_stats()))
         return out
 
     caches = model.new_caches() if use_cache else None
@@ -71,3 +74,11 @@ def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, genera
         else:
             logits = forward(tokens, pad=pad)
     return (tokens, torch.stack(steps, 1) if steps else logits[:, :0]) if return_logits else tokens
+
+
+class StepStats(dict):
+    """One forward's statistics: {layer: solver iterations}, and ``rows`` {layer: rows f computed in the loop}."""
+
+    def __init__(self, solver_stats: dict):
+        super().__init__({name: st.iterations for name, st in solver_stats.items()})
+        self.rows = {name: st.row_iterations for name, st in solver_stats.items()}

@@ -196,24 +196,28 @@ class LoopedLM(torch.nn.Module):
                 m.eval_depth = value
 
     @contextlib.contextmanager
-    def decode_cache(self, mode: str | None):
+    def decode_cache(self, mode: str | None, compact: bool | None = None):
         """Within the block, cached decoding keeps ``mode``'s cache (``decode.cache``: exact, fixed_point;
-        None: as set). Start new caches when the mode changes (a cache refuses the other mode).
+        None: as set) and compacts a batch's rows or not (``decode.compact``; None: as set). Start new caches
+        when the mode changes (a cache refuses the other mode).
 
             with model.decode_cache("fixed_point"):
                 out = fpscale.generate(model, prompt, 32)
         """
         if mode is not None and mode not in CACHE_MODES:
             raise ValueError(f"decode.cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
+        if compact is not None and not isinstance(compact, bool):
+            raise ValueError(f"decode.compact must be true or false, got {compact!r}")
         layers = list(self.looped_layers().values())
-        before = [m.decode_cache for m in layers]
+        before = [(m.decode_cache, m.decode_compact) for m in layers]
         for m in layers:
             m.decode_cache = mode if mode is not None else m.decode_cache
+            m.decode_compact = compact if compact is not None else m.decode_compact
         try:
             yield self
         finally:
-            for m, value in zip(layers, before):
-                m.decode_cache = value
+            for m, (value, was) in zip(layers, before):
+                m.decode_cache, m.decode_compact = value, was
 
     def new_caches(self) -> list[dict]:
         return [{} for _ in self.layers]
@@ -229,5 +233,5 @@ def build_model(cfg) -> LoopedLM:
         return LoopedLM(cfg)
     model = LoopedLM(cfg.model, cfg.solver, cfg.seed)
     for m in model.looped_layers().values():
-        m.decode_cache = cfg.decode.cache
+        m.decode_cache, m.decode_compact = cfg.decode.cache, cfg.decode.compact
     return model

@@ -54,6 +54,7 @@ from fpscale.solvers.chunk_agree import differs, first_stop, pack_flags, words_f
 from fpscale.solvers.config import SolverConfig
 from fpscale.solvers.fused import fused_wanted, iterate_fused
 from fpscale.solvers.loop_state import NEVER, Carry, IterateResult
+from fpscale.solvers.rows import RowCompaction
 from fpscale.solvers.stats import STOP_REASONS
 from fpscale.solvers.step import MAX_ITER, NONFINITE, SolveContext, advance, start_state, stop_code
 from fpscale.solvers.stop_rule import quantile_limit, read_schedule
@@ -182,6 +183,10 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
             raise ValueError(f"solver.cuda_graph = true under tensor parallelism: {_TP_CAPTURE}")
     cap_t, low_t, lim_t, never = scalar(cap), scalar(low), scalar(limit), scalar(NEVER)
     masked = fixed or K > 1          # the eager loop (a chunk of one, read every iteration) needs no masks
+    # the eager loop's row compaction (fpscale.solvers.rows): f leaves the rows whose entries are all frozen
+    rows = None
+    if RowCompaction.wanted(step, cfg, ctx, masked, z0.shape[0]):
+        step = rows = RowCompaction(step, state.last_f is not None)
 
     def run(state, k0: int, length: int, cap_v, bad_at):
         nonlocal traced, graphed
@@ -224,7 +229,9 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
         ahead = 1
         if not masked:               # the eager loop: one read of the decision, the rule applied on the host
             with torch.no_grad():
-                unconverged, met, stalled, bad_now = counts.tolist()
+                active = rows.remaining(begin.frozen, state.frozen) if rows is not None else None
+                read = counts if active is None else torch.cat([counts.long(), active.sum().view(1)])
+                unconverged, met, stalled, bad_now, *left = read.tolist()
             n = k0 + length
             code = stop_code(bool(bad_now), unconverged, bool(met), bool(stalled), n >= low)
             if code is not None:
@@ -232,6 +239,8 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
                     state = begin        # the last finite iterate
                 why, done = code, True
                 break
+            if rows is not None and active is not None:
+                rows.shrink(active, left[0])
             k0 += length
             continue
         with torch.no_grad():
@@ -263,4 +272,5 @@ def run_loop(step: Callable[[torch.Tensor], torch.Tensor], z0: torch.Tensor, cfg
     return IterateResult(z=z, iterations=n, stopped_by=stopped_by, token_res=state.token_res,
                          token_converged=state.token_res < cfg.tol, eta=state.eta,
                          carry=Carry(state.eta, state.best, state.patience_left, state.frozen, state.token_res),
-                         retired_at=state.retired_at, entry_iters=state.entry_iters)
+                         retired_at=state.retired_at, entry_iters=state.entry_iters,
+                         row_iterations=rows.row_iterations if rows is not None else None)

@@ -50,3 +50,4 @@ class IterateResult:
     carry: Carry | None = None    # the state a next call goes on from (the PyTorch loops)
     retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (per token)
     entry_iters: torch.Tensor | None = None  # [B, T] int32: iterations that changed each entry (count_entries)
+    row_iterations: int | None = None   # f's rows summed over the loop's calls, where counted (fpscale.solvers.rows)

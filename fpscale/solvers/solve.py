@@ -116,7 +116,9 @@ def stats_of(result: IterateResult, cap: int, tol: float) -> SolverStats:
     return SolverStats(iterations=result.iterations, max_iter=cap, stopped_by=result.stopped_by,
                        sample_residual=result.token_res.amax(1), token_converged=result.token_converged,
                        final_eta=result.eta, tol=tol, retired_at=result.retired_at,
-                       entry_iterations=result.entry_iters)
+                       entry_iterations=result.entry_iters,
+                       row_iterations=(result.row_iterations if result.row_iterations is not None
+                                       else result.iterations * result.z.shape[0]))
 
 
 def differentiable(f: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, cfg: SolverConfig,

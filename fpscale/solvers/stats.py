@@ -50,6 +50,9 @@ class SolverStats:
     retired_at: torch.Tensor | None = None   # [B] long: the iteration the last token retired (decisions: token)
     window: int | None = None       # deep supervision: iterations per window
     entry_iterations: torch.Tensor | None = None   # [B, T] int32: iterations that changed each entry (count_entries)
+    # rows f computed, summed over the loop's iterations: B x iterations, less where the eager loop compacted
+    # the batch's rows (fpscale.solvers.rows; the applications after the loop are not counted)
+    row_iterations: int | None = None
 
     @property
     def nonfinite(self) -> bool:

@@ -163,6 +163,11 @@ def test_generate_keeps_the_cache_mode_chosen_at_load_time(exported):
         assert torch.equal(out, fpscale.generate(model, ids, 8, cache="fixed_point"))
     with pytest.raises(ValueError, match="decode_cache must be one of"):
         load(folder, decode_cache="kv")(ids)
+    off = load(folder, decode_cache="fixed_point", decode_compact=False, eval_depth=2)
+    assert torch.equal(off.generate(input_ids=ids, max_new_tokens=8, do_sample=False), out)
+    assert {m.decode_compact for m in off.model.looped_layers().values()} == {False}
+    with pytest.raises(ValueError, match="decode_compact must be true or false"):
+        load(folder, decode_compact="no")(ids)
 
 
 @torch.no_grad()
