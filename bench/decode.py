@@ -22,6 +22,8 @@ within each row of the table (``--repeats`` of each, interleaved).
     python bench/decode.py --threads 1                           # every tiny config, T 64 and 512, 32 new tokens
     python bench/decode.py --quick                               # T 8, 4 new tokens (tests)
     python bench/decode.py --configs configs/tiny_looped.yaml --modes exact fixed_point --T 64
+    python bench/decode.py --device cuda --configs configs/125m_{attn,fpsa,looped,fpmamba}.yaml \
+        configs/140m_attractor.yaml --T 512 2048                 # the recipes on a GPU (gpu_checklist --only decode)
     python bench/decode.py --threads 1 --batch 8 --modes fixed_point --compact off on --T 64
     python bench/decode.py --configs runs/tiny_mixed/final --batch 8 --modes fixed_point --compact off on --T 64
 
@@ -75,21 +77,26 @@ def attention_blocks(cfg) -> int:
 
 
 def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0, batch: int = 1,
-            compact: tuple[str, ...] = ("on",)) -> list[dict]:
+            compact: tuple[str, ...] = ("on",), device: str = "cpu", overrides: tuple[str, ...] = ()) -> list[dict]:
     """One row per ``compact`` setting; the settings' runs interleaved ``repeats`` times."""
     # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
     folder = Path(path) if Path(path).is_dir() else None         # a trained model: config.yaml, model.safetensors
     cfg = fpscale.load_config(str(folder / "config.yaml") if folder else path,
-                              [f"model.max_seq_len={T + new}", f"data.seq_len={T + new}"])
+                              [*overrides, f"model.max_seq_len={T + new}", f"data.seq_len={T + new}",
+                               "train.global_batch_tokens=0"])        # a recipe's batch in tokens: no training here
     torch.manual_seed(seed)      # an init that draws from the global generator (the same weights in every row)
     model = fpscale.build_model(cfg).eval()
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)     # a step's time includes its kernels
     if folder is not None:
         from safetensors.torch import load_file
         missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
         if [k for k in missing if k != "lm_head"] or unexpected:         # lm_head: tied to the embedding
             raise SystemExit(f"{folder}: weights do not match its config ({missing}, {unexpected})")
+    model.to(dev)
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
     pad = torch.arange(batch) * T // (2 * batch) if batch > 1 else None
+    prompt, pad = prompt.to(dev), pad.to(dev) if pad is not None else None
     layers = model.fixed_point_layers()
     runs: dict = {c: [] for c in compact}
     for _ in range(repeats):          # the same tokens each time; the fastest repeat's median (load comes and goes)
@@ -101,8 +108,10 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
                 tokens = prompt
                 for _ in range(new):
                     tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+                    sync()
                     t0 = time.perf_counter()
                     logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)[:, -1]
+                    sync()
                     times.append(time.perf_counter() - t0)
                     done = [layer.last_stats for layer in layers.values() if layer.last_stats is not None]
                     iters += [st.iterations for st in done]
@@ -112,8 +121,8 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
     out = []
     for setting, got in runs.items():
         _, iters, rows, nbytes = got[-1]
-        out.append({"config": str(folder) if folder else Path(path).stem, "mode": mode, "T": T, "new": new,
-                    "batch": batch, "compact": setting,
+        out.append({"config": str(folder) if folder else Path(path).stem, "device": dev.type, "mode": mode, "T": T,
+                    "new": new, "batch": batch, "compact": setting,
                     "ms_per_token": 1e3 * min(g[0] for g in got), "ms_runs": [1e3 * g[0] for g in got],
                     "cache_mb": nbytes / 2 ** 20,
                     "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,
@@ -133,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="rows decoded at once (prompts of different lengths)")
     ap.add_argument("--compact", nargs="+", default=["on"], choices=["on", "off"],
                     help="decode.compact settings to measure, interleaved (fixed_point mode compacts)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (a step's time then waits for its kernels)")
+    ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every config (e.g. a recipe at CPU sizes: model.d_model=64)")
     ap.add_argument("--quick", action="store_true", help="T 8, 4 new tokens (a test's size)")
     ap.add_argument("--out", help="JSON path (default bench/results/decode.json)")
     args = ap.parse_args(argv)
@@ -141,10 +153,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
-    rows = [row for c in args.configs for T in args.T for m in args.modes
-            for row in measure(c, m, T, args.new, args.repeats, batch=args.batch, compact=tuple(args.compact))]
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    rows: list[dict] = []
+    for c in args.configs:          # the JSON rewritten after each config: a run cut short keeps what it measured
+        rows += [row for T in args.T for m in args.modes
+                 for row in measure(c, m, T, args.new, args.repeats, batch=args.batch, compact=tuple(args.compact),
+                                    device=args.device, overrides=tuple(args.override))]
+        write_json("decode", {"args": vars(args), "rows": rows, "complete": c == args.configs[-1]}, args.out,
+                   quiet=c != args.configs[-1])
     print_table(rows, BATCH_COLUMNS if args.batch > 1 or len(args.compact) > 1 else COLUMNS)
-    write_json("decode", {"args": vars(args), "rows": rows}, args.out)
     return 0
 
 

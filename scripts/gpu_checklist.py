@@ -35,6 +35,9 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
               chunk traced with aot_eager, no Inductor build; the graphed column skipped, said why)
   tables      opt-in, run only when named (--only tables): experiments/gpu_tables.py, the seeds' tables
               (rows in <out>/tables/results.jsonl and tables.md as they finish; on CPU at CPU sizes)
+  decode      opt-in (--only decode): bench/decode.py, cached decoding of 125m_attn, 125m_fpsa, 125m_looped,
+              125m_fpmamba and 140m_attractor in both cache modes, T 512 and 2048, fp32 on the GPU (issue 51;
+              on CPU at CPU sizes, --quick); <out>/decode.json rewritten as each config finishes
 Each step runs in its own process group, killed whole at its bound: the smaller of its own cap and
 what is left of the budget. A step that cannot start in time is recorded as skipped.
 """
@@ -130,6 +133,14 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
     tables += [] if gpu else ["--device", "cpu", "--threads", "1"]
     steps.append({"name": "tables", "cmd": tables, "cap": 480, "read": "tables", "json": out / "tables" /
                   "results.jsonl", "budget_flag": True, "opt_in": True})
+    # opt-in (--only decode): cached decoding of the recipes, both cache modes (issue 51), rows as configs finish
+    recipes_decoded = ("125m_attn", "125m_fpsa", "125m_looped", "125m_fpmamba", "140m_attractor")
+    decode = [py, "bench/decode.py", "--out", str(out / "decode.json"), "--configs",
+              *(f"configs/{c}.yaml" for c in recipes_decoded)]
+    decode += (["--device", "cuda", "--T", "512", "2048", "--new", "32", "--repeats", "3"] if gpu else
+               ["--quick", "--override", "model.d_model=64", "model.n_heads=2", "model.vocab_size=512"])
+    steps.append({"name": "decode", "cmd": decode, "cap": 420, "read": "bench", "json": out / "decode.json",
+                  "opt_in": True})
     return steps
 
 

@@ -147,3 +147,30 @@ def test_gpu_checklist_gpu_plan_passes_config_validation(tmp_path):
         args = cmd[cmd.index("--config") + 1:]
         cfg = fpscale.load_config(os.path.join(ROOT, args[0]), args[1:])
         assert cfg.train.precision == "bf16" and cfg.data.seq_len <= cfg.model.max_seq_len
+
+
+@pytest.mark.slow        # the checklist and the bench in child processes
+def test_the_checklist_decodes_the_recipes_only_when_named(tmp_path):
+    """``--only decode`` (issue 51): bench/decode.py on the 125m recipes and 140m_attractor, both cache modes, at
+    CPU sizes here (the GPU plan: fp32 on cuda, T 512 and 2048); the default run has no decode step."""
+    proc = run(["bash", "scripts/gpu_checklist.sh", "--only", "decode", "--budget-s", "120", "--out", str(tmp_path)],
+               timeout=240, check=False, env={"PYTHON": sys.executable})
+    got = records(tmp_path)
+    decode = [r for r in got if r["step"] == "decode"]
+    assert len(decode) == 1 and decode[0]["status"] == "ok", proc.stdout[-3000:]
+    result = decode[0]["result"]
+    assert result["complete"] and proc.returncode == 0
+    rows = {(row["config"], row["mode"]): row for row in result["rows"]}
+    configs = ["125m_attn", "125m_fpsa", "125m_looped", "125m_fpmamba", "140m_attractor"]
+    assert sorted(rows) == sorted((c, m) for c in configs for m in ("exact", "fixed_point"))
+    assert all(row["device"] == "cpu" and row["ms_per_token"] > 0 and row["cache_bytes"] > 0 for row in rows.values())
+    # the looped recipes keep a plain model's K/V per block in fixed_point, more in exact
+    for c in ("125m_looped", "140m_attractor"):
+        assert rows[(c, "fixed_point")]["cache_bytes"] < rows[(c, "exact")]["cache_bytes"], c
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    (gpu,) = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if s["name"] == "decode"]
+    assert gpu["cmd"][gpu["cmd"].index("--device") + 1] == "cuda" and gpu.get("opt_in")
