@@ -229,6 +229,9 @@ def test_a_bf16_zero1_checkpoint_resumes_on_zero2_through_a_universal_checkpoint
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3), step
 
 
+SCALARS = 256       # bytes: a handful of scalar tensors, far below any buffer the figures count (4P = 3.2 MB)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_memory_cost_per_zero_stage(tmp_path):
@@ -242,7 +245,9 @@ def test_the_memory_cost_per_zero_stage(tmp_path):
     print(json.dumps({z: {v: {k: r[k] for k in ("init", "peak", "after")} for v, r in runs.items()}
                       for z, runs in report.items()}))
     old, new = report["zero0"]["old"], report["zero0"]["new"]       # fp32 reduction, no fp32 accumulation
-    assert [new[k] - old[k] for k in ("init", "peak", "after")] == [0, 0, 0]
+    # the same buffers: equal up to a few scalars (once, under load, "old" held 16 bytes more after its step than
+    # an idle run shows, 20 against 4; not traced: a scalar alive a moment longer; any buffer is >= 4P)
+    assert all(abs(new[k] - old[k]) <= SCALARS for k in ("init", "peak", "after")), (old, new)
     old, new = report["zero1"]["old"], report["zero1"]["new"]
     assert (old["optimizer"], new["optimizer"]) == ("DeepSpeedZeroOptimizer", "BF16_Optimizer")
     assert new["init"] - old["init"] == pytest.approx(4 * P, rel=0.01)       # a whole fp32 gradient buffer
@@ -250,7 +255,7 @@ def test_the_memory_cost_per_zero_stage(tmp_path):
     assert old["peak"] - old["after"] > 2 * bucket > new["peak"]              # no bf16 reduce bucket any more
     old, new = report["zero2"]["old"], report["zero2"]["new"]
     assert new["peak"] - old["peak"] == pytest.approx(2 * P / N, rel=0.05)    # the gradient partition in fp32
-    assert new["after"] == old["after"]
+    assert abs(new["after"] - old["after"]) <= SCALARS
     old, new = report["zero3"]["old"], report["zero3"]["new"]
     for k in ("init", "peak", "after"):           # the gradient partition and the reduce bucket in fp32
         assert new[k] - old[k] == pytest.approx(2 * P / N + 2 * bucket, rel=1e-4), k
