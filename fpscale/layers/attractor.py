@@ -45,7 +45,7 @@ from fpscale.layers.attn import check_switches, heads_and_mlp
 from fpscale.layers.common import attention_flops, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.stacked import StackedBlocks
-from fpscale.layers.step_cache import take_rows
+from fpscale.layers.step_cache import rope_rows
 from fpscale.layers.switches import scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
 
 
@@ -138,8 +138,7 @@ class AttractorHead(StackedBlocks):
             return self.fixed_point(lambda y: head(y + c, cos, sin, None, pad=pad) - y, c, real).to(x.dtype)
         # decoding: every head block's K/V at every iteration (fpscale.layers.step_cache), as ``looped``
         def rows_of(index):          # the map over rows ``index`` (fixed_point decoding's row compaction)
-            c_r, pad_r = c.index_select(0, index), take_rows(pad, index)
-            cos_r, sin_r = (t if pad is None else t.index_select(0, index) for t in (cos, sin))
+            c_r, (cos_r, sin_r, pad_r) = c.index_select(0, index), rope_rows(cos, sin, pad, index)
             return lambda y, past, collect: self.head(y + c_r, cos_r, sin_r, past, collect, pad_r) - y
 
         y = self.decode(lambda y, past, collect: self.head(y + c, cos, sin, past, collect, pad) - y, c, real, cache,

@@ -63,7 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import TokenBuffer, along, take_rows, with_new
+from fpscale.layers.step_cache import TokenBuffer, along, rope_rows, with_new
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -222,8 +222,8 @@ class FPSAttention(FixedPointLayer):
             return out
 
         def rows(index):        # f on rows ``index`` (fixed_point decoding: fpscale.solvers.rows), sliced once
-            h_r, v_r, pad_r = h.index_select(0, index), v_all.index_select(0, index), take_rows(pad, index)
-            cos_r, sin_r = (t if pad is None else t.index_select(0, index) for t in (cos, sin))
+            h_r, v_r = h.index_select(0, index), v_all.index_select(0, index)
+            cos_r, sin_r, pad_r = rope_rows(cos, sin, pad, index)
             past_k = steps.past_rows("k", index, h.shape[1]) if steps is not None else None
             return lambda z: step(z, h_r, w_qk, v_r, cos_r, sin_r, scale, past_k, pad_r)
 

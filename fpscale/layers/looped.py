@@ -22,7 +22,7 @@ from fpscale.layers.attn import heads_and_mlp
 from fpscale.layers.common import attention_flops, causal_conv, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.stacked import StackedBlocks
-from fpscale.layers.step_cache import take_rows
+from fpscale.layers.step_cache import rope_rows
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -109,8 +109,7 @@ class LoopedCore(StackedBlocks):
                                  real)
         else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
             def rows_of(index):      # the map over rows ``index`` (fixed_point decoding's row compaction)
-                inj, pad_r = inject.index_select(0, index), take_rows(pad, index)
-                cos_r, sin_r = (t if pad is None else t.index_select(0, index) for t in (cos, sin))
+                inj, (cos_r, sin_r, pad_r) = inject.index_select(0, index), rope_rows(cos, sin, pad, index)
                 return lambda s, past, collect: self.one_pass(a2 * s + inj, cos_r, sin_r, past, collect, pad_r)
 
             s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, pad),

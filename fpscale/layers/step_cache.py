@@ -105,6 +105,14 @@ def take_rows(x, index: torch.Tensor, room: int = 0):
     return x.index_select(0, index)
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, pad: torch.Tensor | None, index: torch.Tensor):
+    """(cos, sin, pad) of rows ``index`` for a restricted attention map: the rotary tables are per row
+    ([B, T, ...]) only where left padding shifts the positions (``pad`` given), else shared by every row."""
+    if pad is None:
+        return cos, sin, None
+    return cos.index_select(0, index), sin.index_select(0, index), pad.index_select(0, index)
+
+
 def with_new(past, new: torch.Tensor, dim: int) -> torch.Tensor:
     """The past's entries (a tensor, or a TokenBuffer written in place) followed by the new tokens'."""
     return past.with_new(new) if isinstance(past, TokenBuffer) else torch.cat([past, new], dim)
