@@ -27,6 +27,17 @@ within each row of the table (``--repeats`` of each, interleaved).
     python bench/decode.py --threads 1 --batch 8 --modes fixed_point --compact off on --T 64
     python bench/decode.py --configs runs/tiny_mixed/final --batch 8 --modes fixed_point --compact off on --T 64
 
+``--steps`` measures the decoding step four ways (docs/decoding.md, "Static caches"): ``eager`` (the default:
+caches whose attention reads the filled part), ``static`` (static caches: attention over the capacity under a mask,
+the position a tensor; eager), ``compiled`` and ``compiled_static`` (the model's forward under ``torch.compile``,
+``--compile-mode``: reduce-overhead adds CUDA graphs on a GPU; over dynamic caches, whose length dynamo marks
+symbolic, or static ones). A compiled setting decodes once untimed first (its graphs compile there); dynamo's
+recompilation limit (8 per code object, shared by every layer's solve) is raised to 64 so that each setting's
+graphs stay.
+
+    python bench/decode.py --threads 1 --configs configs/tiny_attn.yaml configs/tiny_looped.yaml --modes fixed_point \
+        --steps eager static compiled compiled_static --T 64 512
+
 A ``--configs`` entry that is a folder is a trained model (its config.yaml and model.safetensors, a run's ``final``).
 """
 from __future__ import annotations
@@ -45,6 +56,7 @@ from fpscale.layers.step_cache import TokenBuffer
 TINY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("tiny_*.yaml"))
 COLUMNS = ["config", "mode", "T", "ms_per_token", "cache_mb", "per_block_kb", "iters_per_token"]
 BATCH_COLUMNS = ["config", "mode", "batch", "compact", "T", "ms_per_token", "iters_per_token", "rows_per_step"]
+STEPS = ("eager", "static", "compiled", "compiled_static")
 
 
 def cache_bytes(obj, seen: set | None = None) -> int:
@@ -77,8 +89,10 @@ def attention_blocks(cfg) -> int:
 
 
 def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0, batch: int = 1,
-            compact: tuple[str, ...] = ("on",), device: str = "cpu", overrides: tuple[str, ...] = ()) -> list[dict]:
-    """One row per ``compact`` setting; the settings' runs interleaved ``repeats`` times."""
+            compact: tuple[str, ...] = ("on",), device: str = "cpu", overrides: tuple[str, ...] = (),
+            steps: tuple[str, ...] = ("eager",), compile_mode: str = "default",
+            backend: str = "inductor") -> list[dict]:
+    """One row per (``compact``, ``steps``) setting; the settings' runs interleaved ``repeats`` times."""
     # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
     folder = Path(path) if Path(path).is_dir() else None         # a trained model: config.yaml, model.safetensors
     cfg = fpscale.load_config(str(folder / "config.yaml") if folder else path,
@@ -98,31 +112,46 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
     pad = torch.arange(batch) * T // (2 * batch) if batch > 1 else None
     prompt, pad = prompt.to(dev), pad.to(dev) if pad is not None else None
     layers = model.fixed_point_layers()
-    runs: dict = {c: [] for c in compact}
+    compiling = [step for step in steps if step.startswith("compiled")]
+    if compiling:
+        torch._dynamo.reset()       # dynamo's recompilation limit counts per code object: the solver's, every config's
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiled = torch.compile(model.forward, mode=compile_mode, backend=backend) if compiling else None
+
+    def decode(compact_on: bool, step: str):
+        static = step.endswith("static")
+        forward = compiled if step.startswith("compiled") else model
+        place = (lambda n: torch.tensor(n, device=dev)) if static else (lambda n: n)
+        times, iters, rows = [], [], []
+        with torch.no_grad(), model.decode_cache(mode, compact_on):
+            caches = model.new_caches(static=static)
+            logits = forward(prompt, caches=caches, pos=place(0), pad=pad)[:, -1]
+            tokens = prompt
+            for _ in range(new):
+                tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+                sync()
+                t0 = time.perf_counter()
+                logits = forward(tokens[:, -1:], caches=caches, pos=place(tokens.shape[1] - 1), pad=pad)[:, -1]
+                sync()
+                times.append(time.perf_counter() - t0)
+                done = [layer.last_stats for layer in layers.values() if layer.last_stats is not None]
+                iters += [st.iterations for st in done]
+                rows += [st.row_iterations for st in done]
+        return statistics.median(times), iters, rows, cache_bytes(caches)
+
+    settings = [(c, step) for c in compact for step in steps]
+    for step in compiling:            # their graphs compile in an untimed decode
+        decode(compact[0] == "on", step)
+    runs: dict = {setting: [] for setting in settings}
     for _ in range(repeats):          # the same tokens each time; the fastest repeat's median (load comes and goes)
-        for setting in compact:
-            times, iters, rows = [], [], []
-            with torch.no_grad(), model.decode_cache(mode, setting == "on"):
-                caches = model.new_caches()
-                logits = model(prompt, caches=caches, pad=pad)[:, -1]
-                tokens = prompt
-                for _ in range(new):
-                    tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
-                    sync()
-                    t0 = time.perf_counter()
-                    logits = model(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)[:, -1]
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                    done = [layer.last_stats for layer in layers.values() if layer.last_stats is not None]
-                    iters += [st.iterations for st in done]
-                    rows += [st.row_iterations for st in done]
-            runs[setting].append((statistics.median(times), iters, rows, cache_bytes(caches)))
+        for setting in settings:
+            runs[setting].append(decode(setting[0] == "on", setting[1]))
     blocks = attention_blocks(cfg)
     out = []
-    for setting, got in runs.items():
+    for (setting, step), got in runs.items():
         _, iters, rows, nbytes = got[-1]
         out.append({"config": str(folder) if folder else Path(path).stem, "device": dev.type, "mode": mode, "T": T,
-                    "new": new, "batch": batch, "compact": setting,
+                    "new": new, "batch": batch, "compact": setting, "step": step,
                     "ms_per_token": 1e3 * min(g[0] for g in got), "ms_runs": [1e3 * g[0] for g in got],
                     "cache_mb": nbytes / 2 ** 20,
                     "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,
@@ -145,12 +174,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (a step's time then waits for its kernels)")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every config (e.g. a recipe at CPU sizes: model.d_model=64)")
+    ap.add_argument("--steps", nargs="+", default=["eager"], choices=STEPS,
+                    help="decoding steps to measure: eager, static caches, compiled, compiled over static caches")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],
+                    help="torch.compile's mode for the compiled steps (reduce-overhead: CUDA graphs on a GPU)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile's backend for the compiled steps")
     ap.add_argument("--quick", action="store_true", help="T 8, 4 new tokens (a test's size)")
     ap.add_argument("--out", help="JSON path (default bench/results/decode.json)")
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.new, args.repeats = [8], 4, 1
     torch.set_num_threads(args.threads)
+    if {"static", "compiled_static"} & set(args.steps) and "exact" in args.modes:
+        ap.error("--steps static and compiled_static take --modes fixed_point (a static cache keeps one entry per "
+                 "token)")
     if args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -159,10 +196,14 @@ def main(argv=None) -> int:
     for c in args.configs:          # the JSON rewritten after each config: a run cut short keeps what it measured
         rows += [row for T in args.T for m in args.modes
                  for row in measure(c, m, T, args.new, args.repeats, batch=args.batch, compact=tuple(args.compact),
-                                    device=args.device, overrides=tuple(args.override))]
+                                    device=args.device, overrides=tuple(args.override), steps=tuple(args.steps),
+                                    compile_mode=args.compile_mode, backend=args.backend)]
         write_json("decode", {"args": vars(args), "rows": rows, "complete": c == args.configs[-1]}, args.out,
                    quiet=c != args.configs[-1])
-    print_table(rows, BATCH_COLUMNS if args.batch > 1 or len(args.compact) > 1 else COLUMNS)
+    columns = BATCH_COLUMNS if args.batch > 1 or len(args.compact) > 1 else COLUMNS
+    if args.steps != ["eager"]:
+        columns = [*columns[:2], "step", *columns[2:]]
+    print_table(rows, columns)
     return 0
 
 

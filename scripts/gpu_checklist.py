@@ -38,6 +38,10 @@ Steps, in order (on a CPU the same steps at CPU sizes, which is what CI runs):
   decode      opt-in (--only decode): bench/decode.py, cached decoding of 125m_attn, 125m_fpsa, 125m_looped,
               125m_fpmamba and 140m_attractor in both cache modes, T 512 and 2048, fp32 on the GPU (issue 51;
               on CPU at CPU sizes, --quick); <out>/decode.json rewritten as each config finishes
+  decode_compiled  opt-in (--only decode_compiled): bench/decode.py's decoding step eager, compiled over dynamic
+              caches and compiled over static ones (mode reduce-overhead: CUDA graphs) for 125m_attn, 125m_looped
+              and 140m_attractor in fixed_point mode, T 2048 (on CPU at CPU sizes, dynamo's eager backend);
+              <out>/decode_compiled.json
 Each step runs in its own process group, killed whole at its bound: the smaller of its own cap and
 what is left of the budget. A step that cannot start in time is recorded as skipped.
 """
@@ -141,6 +145,16 @@ def plan_steps(py: str, gpu: bool, out: Path) -> list[dict]:
                ["--quick", "--override", "model.d_model=64", "model.n_heads=2", "model.vocab_size=512"])
     steps.append({"name": "decode", "cmd": decode, "cap": 420, "read": "bench", "json": out / "decode.json",
                   "opt_in": True})
+    # opt-in (--only decode_compiled): the decoding step compiled, over dynamic and static caches (issue 51)
+    compiled = [py, "bench/decode.py", "--out", str(out / "decode_compiled.json"), "--modes", "fixed_point",
+                "--steps", "eager", "compiled", "compiled_static", "--configs",
+                *(f"configs/{c}.yaml" for c in ("125m_attn", "125m_looped", "140m_attractor"))]
+    compiled += (["--device", "cuda", "--T", "2048", "--new", "32", "--repeats", "2", "--compile-mode",
+                  "reduce-overhead"] if gpu else
+                 ["--quick", "--backend", "eager", "--override", "model.d_model=64", "model.n_heads=2",
+                  "model.vocab_size=512"])
+    steps.append({"name": "decode_compiled", "cmd": compiled, "cap": 420, "read": "bench",
+                  "json": out / "decode_compiled.json", "opt_in": True})
     return steps
 
 

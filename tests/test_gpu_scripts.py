@@ -174,3 +174,26 @@ def test_the_checklist_decodes_the_recipes_only_when_named(tmp_path):
         sys.path.pop(0)
     (gpu,) = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if s["name"] == "decode"]
     assert gpu["cmd"][gpu["cmd"].index("--device") + 1] == "cuda" and gpu.get("opt_in")
+
+
+@pytest.mark.slow        # the checklist and the bench in child processes, dynamo tracing the models
+def test_the_checklist_decodes_compiled_steps_only_when_named(tmp_path):
+    """``--only decode_compiled`` (issue 51): the decoding step eager, compiled and compiled over static caches for
+    125m_attn, 125m_looped and 140m_attractor (CPU sizes and dynamo's eager backend here; the GPU plan:
+    reduce-overhead, T 2048): the same solves whatever the step."""
+    proc = run(["bash", "scripts/gpu_checklist.sh", "--only", "decode_compiled", "--budget-s", "200", "--out",
+                str(tmp_path)], timeout=300, check=False, env={"PYTHON": sys.executable})
+    (step,) = [r for r in records(tmp_path) if r["step"] == "decode_compiled"]
+    assert step["status"] == "ok" and step["result"]["complete"] and proc.returncode == 0, proc.stdout[-3000:]
+    rows = {(row["config"], row["step"]): row for row in step["result"]["rows"]}
+    configs = ["125m_attn", "125m_looped", "140m_attractor"]
+    assert sorted(rows) == sorted((c, s) for c in configs for s in ("eager", "compiled", "compiled_static"))
+    for c in configs:
+        assert len({rows[c, s]["iters_per_token"] for s in ("eager", "compiled", "compiled_static")}) == 1, c
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    (gpu,) = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if s["name"] == "decode_compiled"]
+    assert gpu["cmd"][gpu["cmd"].index("--compile-mode") + 1] == "reduce-overhead" and gpu.get("opt_in")

@@ -6,6 +6,8 @@ there is one).
     python launch/generate.py --model runs/tiny_mixed/final --prompt "The year" --prompt "Our country" --depth 8
     # one cache entry per past token in the looped layers (a plain model's cache size; docs/decoding.md)
     python launch/generate.py --model runs/tiny_mixed/final --cache fixed_point
+    # static caches and the forward under torch.compile (one compiled step for every token; docs/decoding.md)
+    python launch/generate.py --model runs/tiny_mixed/final --cache fixed_point --compile
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compact", action="store_true",
                     help="fixed_point cache: run every row of a batch of prompts to the slowest one's last iteration "
                          "(decode.compact: false; by default a row whose token converged leaves the solve)")
+    ap.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                    help="static caches and the model's forward under torch.compile (BACKEND, default inductor): the "
+                         "first tokens compile, later ones reuse the graphs; needs the fixed_point cache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
@@ -60,6 +65,13 @@ def main(argv=None) -> int:
                         f"unexpected {unexpected})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(device).eval()
+    if args.compile:
+        if args.no_cache:
+            ap.error("--compile decodes with static caches: drop --no-cache")
+        if (args.cache or cfg.decode.cache) != "fixed_point":
+            ap.error(f"--compile decodes with static caches, which need decode.cache: fixed_point (--cache "
+                     f"fixed_point; this one is {args.cache or cfg.decode.cache!r})")
+        model.forward = torch.compile(model.forward, backend=args.compile)
     tok_path = args.tokenizer or os.path.join(os.path.dirname(cfg.data.path.rstrip("/")), "tokenizer.model")
     if not os.path.exists(tok_path):
         raise UserError(f"no tokenizer at {tok_path}: pass --tokenizer (the tokenizer.model of the data)")
@@ -74,7 +86,7 @@ def main(argv=None) -> int:
         out = fpscale.generate(model, batch, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                use_cache=not args.no_cache, generator=torch.Generator(device).manual_seed(args.seed),
                                pad=pad if bool(pad.any()) else None, cache=args.cache,
-                               compact=False if args.no_compact else None)
+                               compact=False if args.no_compact else None, static=bool(args.compile))
     for row, n_pad in zip(out.tolist(), pad.tolist()):
         print(sp.decode(row[n_pad:]))
     for name, st in model.layer_stats().items():

@@ -20,10 +20,11 @@ from fpscale.layers.common import (
     mlp_tp_divisor,
     rope_span,
     self_attention,
+    static_mask,
     swiglu_hidden,
 )
 from fpscale.layers.registry import LayerSpec
-from fpscale.layers.step_cache import TokenBuffer
+from fpscale.layers.step_cache import TokenBuffer, is_static
 from fpscale.layers.switches import INITS, MLP_KINDS, VE_GATE_CHANNELS, Relu2MLP, ValueEmbedding, scaled_zero_ortho_
 
 
@@ -96,17 +97,19 @@ class Attention(torch.nn.Module):
     def forward(self, h: torch.Tensor, pos: int = 0, cache: dict | None = None,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
+        static = is_static(cache)
+        keys = static_mask(pad, pos, h.shape[1], self.token_capacity, h) if static and "k" in cache else pad
         h = self.shards.enter(h)
         extra = self.value_embed(h) if self.value_embed is not None else None
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard
             out, k, v = self_attention(h, self.w_qkv, self.w_o, self.head_dim, cos, sin, cache,
-                                       self.dropout if self.training else 0.0, pad, self.qk_norm, extra)
+                                       self.dropout if self.training else 0.0, keys, self.qk_norm, extra)
         if cache is not None:       # preallocated for model.max_seq_len: no copy of the past per token
             if "k" in cache:
                 for name in "kv":
                     cache[name].advance(h.shape[1])
             else:
-                cache["k"], cache["v"] = (TokenBuffer(t, 2, self.token_capacity) for t in (k, v))
+                cache["k"], cache["v"] = (TokenBuffer(t, 2, self.token_capacity, static) for t in (k, v))
         return self.shards.exit(out)
 
 

@@ -141,6 +141,7 @@ class AttractorHead(StackedBlocks):
             c_r, (cos_r, sin_r, pad_r) = c.index_select(0, index), rope_rows(cos, sin, pad, index)
             return lambda y, past, collect: self.head(y + c_r, cos_r, sin_r, past, collect, pad_r) - y
 
-        y = self.decode(lambda y, past, collect: self.head(y + c, cos, sin, past, collect, pad) - y, c, real, cache,
+        keys = self.attention_keys(cache, pad, pos, x.shape[1], x)
+        y = self.decode(lambda y, past, collect: self.head(y + c, cos, sin, past, collect, keys) - y, c, real, cache,
                         rows_of)
         return y.to(x.dtype)

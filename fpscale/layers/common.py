@@ -111,13 +111,19 @@ def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, dtype: tor
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Tensor,
+def positions_of(pos, length: int, device) -> torch.Tensor:
+    """The positions [pos, pos + length) of a block of new tokens, [T] long; ``pos`` an int, or a 0-dim long
+    tensor (a static-shape decoding step: the position is data, not a constant a compiled graph guards on)."""
+    return pos + torch.arange(length, device=device)
+
+
+def rope_span(head_dim: int, pos, length: int, theta: float, like: torch.Tensor,
               pad: torch.Tensor | None = None):
     """cos, sin for the positions [pos, pos + length) of a block of new tokens: [T, head_dim/2];
     with left padding (``pad``, see ``real_tokens``) each row counts from its first real token:
     [B, 1, T, head_dim/2]. The tables are in at least float32 whatever ``like``'s dtype (a bf16
     model's too): ``apply_rope`` rotates in them and rounds the result to what it rotates."""
-    positions = torch.arange(pos, pos + length, device=like.device)
+    positions = positions_of(pos, length, like.device)
     dtype = torch.promote_types(like.dtype, torch.float32)
     if pad is None:
         return rope_tables(head_dim, positions, theta, dtype)
@@ -125,7 +131,7 @@ def rope_span(head_dim: int, pos: int, length: int, theta: float, like: torch.Te
     return cos[:, None], sin[:, None]
 
 
-def real_tokens(pad: torch.Tensor | None, pos: int, length: int) -> torch.Tensor | None:
+def real_tokens(pad: torch.Tensor | None, pos, length: int) -> torch.Tensor | None:
     """Which of the new tokens [pos, pos + length) are real: [B, T] bool, or None without padding.
 
     ``pad`` [B] counts each row's left padding: positions below pad[b] are padding. A padded
@@ -134,7 +140,20 @@ def real_tokens(pad: torch.Tensor | None, pos: int, length: int) -> torch.Tensor
     """
     if pad is None:
         return None
-    return torch.arange(pos, pos + length, device=pad.device)[None] >= pad[:, None]
+    return positions_of(pos, length, pad.device)[None] >= pad[:, None]
+
+
+def static_mask(pad: torch.Tensor | None, pos, length: int, capacity: int, like: torch.Tensor) -> torch.Tensor:
+    """The keys each new token reads in a static-shape decoding step (fpscale.layers.step_cache, ``static``):
+    attention runs over the cache's whole capacity, and query i (position pos + i) reads the positions up to
+    its own, not a row's left padding (a padded query reads itself, as ``causal_attention``'s): bool
+    [T, capacity], or [B, 1, T, capacity] with ``pad``. What ``causal_attention`` takes for ``pad`` then."""
+    keys = torch.arange(capacity, device=like.device)
+    query = positions_of(pos, length, like.device)[:, None]
+    mask = keys[None] <= query
+    if pad is None:
+        return mask
+    return mask & ((keys >= pad[:, None, None, None]) | (keys == query))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -157,10 +176,11 @@ def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head
                    past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None,
                    qk_norm: bool = False, v_extra: torch.Tensor | None = None):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
-    tokens; ``pad`` the rows' left padding. Returns (output, k, v) with k, v covering past and
-    new tokens. ``qk_norm``: q and k get a parameter-free RMSNorm over each head after RoPE (eps:
-    the dtype's machine epsilon, F.rms_norm's default), as jacobfa/Attractor does
-    (attractor/modules/mixer.py:13-15, 80-81); the cache then holds normalised keys."""
+    tokens; ``pad`` the rows' left padding (or a static step's mask: ``static_mask``). Returns
+    (output, k, v) with k, v the new tokens' (what a cache keeps of them). ``qk_norm``: q and k
+    get a parameter-free RMSNorm over each head after RoPE (eps: the dtype's machine epsilon,
+    F.rms_norm's default), as jacobfa/Attractor does (attractor/modules/mixer.py:13-15, 80-81);
+    the cache then holds normalised keys."""
     q, k, v = F.linear(h, w_qkv).chunk(3, dim=-1)
     if v_extra is not None:            # value embeddings (fpscale.layers.switches.ValueEmbedding)
         v = v + v_extra.to(v.dtype)
@@ -168,9 +188,10 @@ def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if qk_norm:
         q, k = F.rms_norm(q, (head_dim,)), F.rms_norm(k, (head_dim,))
-    if past:          # cached tensors, or TokenBuffers written in place (fpscale.layers.step_cache)
-        k, v = with_new(past["k"], k, 2), with_new(past["v"], v, 2)
-    return F.linear(merge_heads(causal_attention(q, k, v, dropout_p=dropout_p, pad=pad)), w_o), k, v
+    k_all, v_all = k, v
+    if past and "k" in past:     # cached tensors, or TokenBuffers written in place (fpscale.layers.step_cache)
+        k_all, v_all = with_new(past["k"], k, 2), with_new(past["v"], v, 2)
+    return F.linear(merge_heads(causal_attention(q, k_all, v_all, dropout_p=dropout_p, pad=pad)), w_o), k, v
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -115,7 +115,8 @@ class FixedPointLayer(LoopedLayer):
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
-        if rows is not None and step_cache is not None and step_cache.fixed and self.decode_compact:
+        if rows is not None and step_cache is not None and step_cache.fixed and not step_cache.static \
+                and self.decode_compact:      # (a static cache keeps every shape: no compaction)
             f = _with_rows(f, rows)
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus(),
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,

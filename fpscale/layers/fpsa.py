@@ -59,11 +59,12 @@ from fpscale.layers.common import (
     rope_span,
     spectral_normalize,
     split_heads,
+    static_mask,
     swiglu_hidden,
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import TokenBuffer, along, rope_rows, with_new
+from fpscale.layers.step_cache import TokenBuffer, along, is_static, rope_rows, with_new
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -201,6 +202,8 @@ class FPSAttention(FixedPointLayer):
         method = self.head_step if heads else self.step
         step = self.compiled(method) if cache is None else method     # decoding stays eager
         real = real_tokens(pad, pos, h.shape[1])
+        static = is_static(cache)       # a static decoding step's keys: the cache's capacity, masked
+        keys = static_mask(pad, pos, h.shape[1], self.token_capacity, h) if static and past_v is not None else pad
         if heads:
             n_heads = v.shape[1]
             if self.solver.anderson and self.shards.consensus is not None:
@@ -216,9 +219,9 @@ class FPSAttention(FixedPointLayer):
         def f(z):
             if steps is None:
                 return step(z, h, w_qk, v_all, cos, sin, scale, None, pad)
-            keys: list = []
-            out = step(z, h, w_qk, v_all, cos, sin, scale, steps.past("k"), pad, keys)
-            steps.record(k=keys[0].contiguous())
+            new_k: list = []
+            out = step(z, h, w_qk, v_all, cos, sin, scale, steps.past("k"), keys, new_k)
+            steps.record(k=new_k[0].contiguous())
             return out
 
         def rows(index):        # f on rows ``index`` (fixed_point decoding: fpscale.solvers.rows), sliced once
@@ -236,7 +239,7 @@ class FPSAttention(FixedPointLayer):
         if cache is not None:
             steps.store(cache, {"k": along(2)})          # k: [B, H, T, dh] per entry
             if past_v is None:
-                cache["v"] = TokenBuffer(v.detach(), 2, self.token_capacity)
+                cache["v"] = TokenBuffer(v.detach(), 2, self.token_capacity, static)
             else:
                 past_v.advance(v.shape[2])
         return z.to(h.dtype)

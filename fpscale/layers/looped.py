@@ -112,7 +112,8 @@ class LoopedCore(StackedBlocks):
                 inj, (cos_r, sin_r, pad_r) = inject.index_select(0, index), rope_rows(cos, sin, pad, index)
                 return lambda s, past, collect: self.one_pass(a2 * s + inj, cos_r, sin_r, past, collect, pad_r)
 
-            s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, pad),
+            keys = self.attention_keys(cache, pad, pos, x.shape[1], x)
+            s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, keys),
                             torch.zeros_like(x), real, cache, rows_of)
             if window is not None:
                 cache["conv"] = window.detach()

@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
-from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, swiglu, swiglu_hidden
+from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, static_mask, swiglu, swiglu_hidden
 from fpscale.layers.fixed_point import FixedPointLayer
+from fpscale.layers.step_cache import is_static
 from fpscale.layers.switches import relu2
 
 
@@ -70,6 +71,13 @@ class StackedBlocks(FixedPointLayer):
             return self.shards.exit(relu2(h, self.w_fc[l], self.w_proj[l]))
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
 
+    def attention_keys(self, cache: dict, pad, pos, length: int, like: torch.Tensor):
+        """What the blocks' attention takes for ``pad`` in a decoding step: the rows' padding, or, in a static
+        cache that holds a past, the mask over its capacity (fpscale.layers.common.static_mask)."""
+        if is_static(cache) and cache.get("steps"):
+            return static_mask(pad, pos, length, self.token_capacity, like)
+        return pad
+
     def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict,
                rows_of: Callable | None = None) -> torch.Tensor:
         """The solve of cached decoding: ``f_of(s, past, collect)`` is the map reading the past's K/V of
@@ -81,7 +89,7 @@ class StackedBlocks(FixedPointLayer):
         def f(s):
             collected: list = []
             out = f_of(s, steps.past_kv(self.blocks), collected)
-            steps.record_kv(collected, z0.shape[1])
+            steps.record_kv(collected)
             return out
 
         def rows(index):

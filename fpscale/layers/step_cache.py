@@ -23,6 +23,13 @@ only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorde
 
 Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
 
+Static caches (``LoopedLM.new_caches(static=True)``, ``generate(..., static=True)``, docs/decoding.md): every
+shape of a decoding step is the same at every position, so a compiled step (``torch.compile(dynamic=False)``,
+CUDA graphs) is built once. A ``TokenBuffer`` then counts its filled tokens in a device tensor, writes the
+new tokens at that index and hands the map its whole capacity, which attention reads under
+``fpscale.layers.common.static_mask`` (the positions are a tensor too: ``positions_of``). ``fixed_point``
+mode only: ``exact`` keeps J entries per token, J changing from token to token.
+
 ``fixed=True`` (``decode.cache: fixed_point``, docs/decoding.md): one entry per past token, what the map
 reads of it at the fixed point (the first application after the loop: the entry of z*). Every
 iteration of a new token reads it, no past iteration count binds the new solve (``min_iter`` 0) and the
@@ -55,21 +62,36 @@ class along:
         return torch.cat([past, new], self.dim + 1)       # +1: the entry axis
 
 
+def is_static(cache: dict | None) -> bool:
+    """Whether a layer's decoding cache is static (module docstring: ``LoopedLM.new_caches(static=True)``)."""
+    return cache is not None and bool(cache.get("static", False))
+
+
 class TokenBuffer:
     """Entries along a token axis ``dim``, preallocated for ``capacity`` tokens (``model.max_seq_len``): the
     past is never copied per token. ``with_new`` writes the new tokens' entries after the filled part and
     returns past and new as one view (what a map attends over, each iteration); ``advance`` keeps them.
-    Past the capacity (a caller that outgrows it) the buffer doubles, once per doubling."""
+    Past the capacity (a caller that outgrows it) the buffer doubles, once per doubling.
 
-    def __init__(self, first: torch.Tensor, dim: int, capacity: int):
+    ``static``: the count ``n`` is a 0-dim long tensor, ``with_new`` writes at it and returns the whole
+    buffer (the same shape at every position: the reader masks what is not filled, ``static_mask``); it
+    never grows (a caller past the capacity gets an error: ``LoopedLM.hidden`` and ``generate`` check first)."""
+
+    def __init__(self, first: torch.Tensor, dim: int, capacity: int, static: bool = False):
         shape = list(first.shape)
         shape[dim] = max(capacity, shape[dim])
-        self.data, self.dim, self.n = first.new_empty(shape), dim, 0
+        self.data, self.dim, self.static = first.new_empty(shape), dim, static
+        self.n = first.new_zeros((), dtype=torch.long) if static else 0
+        if static:     # the unfilled slots are read (under a mask: their weights are 0, their values must be finite)
+            self.data.zero_()
         self.with_new(first)
         self.advance(first.shape[dim])
 
     def with_new(self, new: torch.Tensor) -> torch.Tensor:
         t = new.shape[self.dim]
+        if self.static:
+            self.data.index_copy_(self.dim, self.n + torch.arange(t, device=self.data.device), new)
+            return self.data
         if self.n + t > self.data.shape[self.dim]:
             self.data = torch.cat([self.data, torch.empty_like(self.data)], self.dim)
             return self.with_new(new)
@@ -77,15 +99,19 @@ class TokenBuffer:
         return self.data.narrow(self.dim, 0, self.n + t)
 
     def advance(self, t: int) -> None:
-        self.n += t
+        if self.static:
+            self.n.add_(t)
+        else:
+            self.n += t
 
     def view(self) -> torch.Tensor:
-        return self.data.narrow(self.dim, 0, self.n)
+        return self.data.narrow(self.dim, 0, int(self.n))
 
     def index_select(self, dim: int, index: torch.Tensor) -> TokenBuffer:
         """Beam search's reordering of the rows (dim 0)."""
         out = object.__new__(TokenBuffer)
-        out.data, out.dim, out.n = self.data.index_select(dim, index), self.dim, self.n
+        out.data, out.dim, out.static = self.data.index_select(dim, index), self.dim, self.static
+        out.n = self.n.clone() if self.static else self.n
         return out
 
 
@@ -99,7 +125,7 @@ def take_rows(x, index: torch.Tensor, room: int = 0):
         shape = list(x.data.shape)
         shape[0], shape[x.dim] = index.numel(), x.n + room
         out = object.__new__(TokenBuffer)
-        out.data, out.dim, out.n = x.data.new_empty(shape), x.dim, x.n
+        out.data, out.dim, out.n, out.static = x.data.new_empty(shape), x.dim, x.n, False
         out.data.narrow(x.dim, 0, x.n).copy_(x.view().index_select(0, index))
         return out
     return x.index_select(0, index)
@@ -130,8 +156,11 @@ class StepCache:
 
     def __init__(self, cache: dict | None, key: str = "steps", fixed: bool = False, capacity: int = 0):
         past = cache.get(key) if cache is not None else None
-        self.fixed, self.capacity = fixed, capacity
+        self.fixed, self.capacity, self.static = fixed, capacity, is_static(cache)
         mode = CACHE_MODES[fixed]
+        if self.static and not fixed:
+            raise ValueError("a static decoding cache takes decode.cache: fixed_point (exact keeps an entry per "
+                             "iteration, their number changing from token to token)")
         if past and past.get("mode", "exact") != mode:
             raise RuntimeError(f"a decoding cache filled with decode.cache {past.get('mode', 'exact')!r} is read "
                                f"with {mode!r}: keep one mode for a generation (new caches to change it)")
@@ -185,9 +214,9 @@ class StepCache:
             return None
         return [{"k": self.past(f"k{l}"), "v": self.past(f"v{l}")} for l in range(blocks)]
 
-    def record_kv(self, collected: list, new: int) -> None:
-        """The ``new`` tokens' keys and values of each block's (k, v) in ``collected`` (past and new)."""
-        self.record(**{f"{kv}{l}": t[:, :, -new:] for l, pair in enumerate(collected) for kv, t in zip("kv", pair)})
+    def record_kv(self, collected: list) -> None:
+        """The new tokens' keys and values of each block's (k, v) in ``collected``."""
+        self.record(**{f"{kv}{l}": t for l, pair in enumerate(collected) for kv, t in zip("kv", pair)})
 
     def store_kv(self, cache: dict, blocks: int) -> None:
         """``store`` for keys and values, which grow along the token axis."""
@@ -200,8 +229,8 @@ class StepCache:
         if self.fixed:          # one entry per token, kept in place (TokenBuffer) where it grows
             new = self.finals[0]
             if self.past_iters is None:
-                kept = {n: TokenBuffer(new[n], how.dim, self.capacity) if isinstance(how, along) else new[n]
-                        for n, how in combine.items()}
+                kept = {n: TokenBuffer(new[n], how.dim, self.capacity, self.static) if isinstance(how, along)
+                        else new[n] for n, how in combine.items()}
             else:
                 kept = dict(self.past_iters)
                 for n, how in combine.items():

@@ -16,6 +16,12 @@ batch's done rows left the solve: ``compact``, ``decode.compact``, fpscale.solve
     out = fpscale.generate(model, prompt, 32, cache="fixed_point", stats=steps)
     [s["layers.3.core"] for s in steps[1:]]          # iterations per new token of one layer
     [s.rows["layers.3.core"] for s in steps[1:]]     # the rows f computed per new token of one layer
+
+``static`` (``decode.cache: fixed_point``): static caches (``LoopedLM.new_caches(static=True)``) and the position
+as a tensor, so every decoding step has the same shapes and a compiled forward is built once:
+
+    model.forward = torch.compile(model.forward, dynamic=False)
+    out = fpscale.generate(model, prompt, 32, cache="fixed_point", static=True)
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import torch
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              use_cache: bool = True, top_k: int | None = None, generator: torch.Generator | None = None,
              return_logits: bool = False, pad: torch.Tensor | None = None, cache: str | None = None,
-             stats: list | None = None, compact: bool | None = None):
+             stats: list | None = None, compact: bool | None = None, static: bool = False):
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if max_new_tokens < 0:
@@ -36,25 +42,34 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
     if getattr(model, "sharded_logits", False):
         raise ValueError("this model's logits are split over tensor-parallel ranks; decode with a "
                          "single-process model (parallel.tp = 1)")
+    if static and not use_cache:
+        raise ValueError("static=True decodes with caches: use_cache must be True")
+    if static and tokens.shape[1] + max_new_tokens - 1 > model.cfg.max_seq_len:
+        raise ValueError(f"sequence of {tokens.shape[1] + max_new_tokens - 1} tokens exceeds model.max_seq_len = "
+                         f"{model.cfg.max_seq_len} (a static cache holds max_seq_len tokens)")
     was_training = model.training
     model.eval()
     with model.decode_cache(cache, compact):
         try:
             return _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits,
-                           pad, stats)
+                           pad, stats, static)
         finally:
             model.train(was_training)
 
 
-def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits, pad, stats):
+def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, generator, return_logits, pad, stats,
+            static):
     def forward(*args, **kwargs):
         out = model(*args, **kwargs)[:, -1]
         if stats is not None:
             stats.append(StepStats(model.solver_stats()))
         return out
 
-    caches = model.new_caches() if use_cache else None
-    logits = forward(tokens, caches=caches, pad=pad)
+    def position(n: int):        # a static step's position is data (a tensor), not a constant a graph guards on
+        return torch.tensor(n, device=tokens.device) if static else n
+
+    caches = (model.new_caches(static=True) if static else model.new_caches()) if use_cache else None
+    logits = forward(tokens, caches=caches, pos=position(0), pad=pad)
     steps = []
     for i in range(max_new_tokens):
         steps.append(logits)
@@ -70,7 +85,7 @@ def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, genera
         if i == max_new_tokens - 1:
             break
         if use_cache:
-            logits = forward(tokens[:, -1:], caches=caches, pos=tokens.shape[1] - 1, pad=pad)
+            logits = forward(tokens[:, -1:], caches=caches, pos=position(tokens.shape[1] - 1), pad=pad)
         else:
             logits = forward(tokens, pad=pad)
     return (tokens, torch.stack(steps, 1) if steps else logits[:, :0]) if return_logits else tokens

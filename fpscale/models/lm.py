@@ -66,7 +66,7 @@ class LoopedLM(torch.nn.Module):
         """The final hidden states (after the last norm); with ``stop``, the input of layer ``stop``."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        if pos + tokens.shape[1] > self.cfg.max_seq_len:
+        if isinstance(pos, int) and pos + tokens.shape[1] > self.cfg.max_seq_len:    # (a tensor pos: generate checks)
             raise ValueError(f"sequence of {pos + tokens.shape[1]} tokens exceeds model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
         x = self.embed(tokens)
@@ -219,8 +219,21 @@ class LoopedLM(torch.nn.Module):
             for m, (value, was) in zip(layers, before):
                 m.decode_cache, m.decode_compact = value, was
 
-    def new_caches(self) -> list[dict]:
-        return [{} for _ in self.layers]
+    def new_caches(self, static: bool = False) -> list[dict]:
+        """Empty decoding caches, one per layer. ``static``: every shape of a decoding step is the same at every
+        position (fpscale.layers.step_cache: attention over the preallocated ``max_seq_len`` under a mask), for a
+        step compiled once (``torch.compile(dynamic=False)``, CUDA graphs); pass ``pos`` as a 0-dim long tensor.
+        It takes attn and the fixed-point layers in ``decode.cache: fixed_point``."""
+        if static:
+            for name, m in self.looped_layers().items():
+                if not isinstance(m, FixedPointLayer):
+                    raise ValueError(f"static decoding caches: {name} is a halting loop, whose cache grows by its "
+                                     "halting steps per token; decode it with static=False")
+                if m.decode_cache != "fixed_point":
+                    raise ValueError(f"static decoding caches need decode.cache: fixed_point, {name} has "
+                                     f"{m.decode_cache!r} (exact keeps an entry per iteration, their number changing "
+                                     "from token to token)")
+        return [{"static": True} if static else {} for _ in self.layers]
 
     def num_params(self) -> int:
         """Parameter count (also when ZeRO-3 has partitioned the tensors)."""

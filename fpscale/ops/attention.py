@@ -81,7 +81,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     The query block sits at the end of the key sequence (decoding with a cache): the mask is
     aligned bottom-right. ``scale`` may be a per-head tensor [H] (FPSA temperature);
     ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval);
-    ``pad`` [B] hides each row's left padding from every query (a padded query sees itself).
+    ``pad`` [B] hides each row's left padding from every query (a padded query sees itself); a bool
+    ``pad`` is the mask itself ([Tq, Tk] or [B, 1, Tq, Tk]: a static-shape decoding step, whose keys are
+    the cache's whole capacity, fpscale.layers.common.static_mask).
     flash-attn is used on CUDA for fp16/bf16 without padding (``flash_attn_for``; a per-head scale
     is folded into q), so every attention inside a fixed-point map (fpsa, the looped core) runs on
     it; SDPA otherwise.
@@ -101,6 +103,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if per_head:   # fold the per-head scale into q, keep SDPA's own scale at 1
         q = q * scale.view(1, -1, 1, 1).to(q.dtype)
         scale = 1.0
+    if pad is not None and pad.dtype == torch.bool:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pad, scale=scale, dropout_p=dropout_p)
     if Tq == Tk and pad is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)

@@ -242,3 +242,20 @@ def test_generate_cli_decodes_a_batch_of_prompts_as_each_alone(tmp_path, tokeniz
         assert capsys.readouterr().out.splitlines() == [line]
     with pytest.raises(SystemExit):
         main(args + ["--depth", "0"])
+
+
+@pytest.mark.slow               # dynamo traces the model
+def test_generate_cli_compiled_with_static_caches_decodes_as_eager(tmp_path, tokenizer, capsys):
+    """``--compile``: static caches and the forward under torch.compile (dynamo's eager backend here) print the
+    eager fixed_point decode's text; the exact cache is refused with the key to change."""
+    from fpscale.cli.generate import main
+    weights = weights_folder("tiny_mixed", tmp_path / "weights", 0, "model.vocab_size=320")
+    args = ["--model", weights, "--tokenizer", tokenizer, "--max-new-tokens", "5", "--device", "cpu",
+            "--prompt", "Fellow-Citizens of the Senate", "--prompt", "The year"]
+    assert main(args + ["--cache", "fixed_point"]) == 0
+    eager = capsys.readouterr().out
+    assert main(args + ["--cache", "fixed_point", "--compile", "eager"]) == 0
+    assert capsys.readouterr().out == eager
+    with pytest.raises(SystemExit):
+        main(args + ["--cache", "exact", "--compile", "eager"])
+    assert "need decode.cache: fixed_point (--cache fixed_point; this one is 'exact')" in capsys.readouterr().err
