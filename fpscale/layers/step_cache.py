@@ -32,6 +32,7 @@ forward's where both solves converged (within the tolerance), and differs where 
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -142,6 +143,7 @@ class StepCache:
         self.prefix: torch.Tensor | None = past.get("prefix") if past and not fixed else None
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
+        self.index: torch.Tensor | None = None           # a restricted map's rows (``rows``; None: every row)
         self.iters: list[dict] = []
         self.finals: list[dict] = []
 
@@ -164,7 +166,8 @@ class StepCache:
         t = src[name]
         if self.fixed:          # one entry per token: a TokenBuffer (read with ``with_new``) or the state
             return t
-        return t[:, min(index, t.shape[1] - 1)]
+        t = t[:, min(index, t.shape[1] - 1)]
+        return t if self.index is None else t.index_select(0, self.index)
 
     def record(self, **entries: torch.Tensor) -> None:
         """What this call's f computed of the new tokens (after reading ``past``)."""
@@ -172,11 +175,22 @@ class StepCache:
             if self.final and not self.finals:
                 self.finals.append({k: v.detach().clone() for k, v in entries.items()})
             return
+        if self.index is not None:      # a restricted map's rows: the rows that left hold their last entries
+            last = self.iters[-1]
+            entries = {k: last[k].index_copy(0, self.index, v.to(last[k].dtype)) for k, v in entries.items()}
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
-    def past_rows(self, name: str, index: torch.Tensor, room: int):
-        """``past(name)`` of rows ``index`` (``take_rows``): fixed_point mode, where every iteration reads one entry."""
-        return take_rows(self.past(name), index, room)
+    def rows(self, index: torch.Tensor, room: int = 0) -> StepCache:
+        """This cache as a map restricted to rows ``index`` reads and records it (fpscale.solvers.rows; the loop's
+        calls only). fixed_point: the past's rows taken once (``take_rows``; ``room`` free tokens in a
+        TokenBuffer). exact: the entry list is this cache's, so a read follows its iteration (those rows of the
+        past's entry j, taken per call) and a record appends a whole-batch entry, the rows that left holding
+        their last one: a row leaves once its entries no longer change (rows.py, "When")."""
+        view = copy.copy(self)          # shares ``iters``
+        view.index = index
+        if self.fixed and self.past_iters is not None:
+            view.past_iters = {n: take_rows(t, index, room) for n, t in self.past_iters.items()}
+        return view
 
     def past_kv(self, blocks: int) -> list[dict] | None:
         """Attention blocks' past keys and values at this call (``k{l}``, ``v{l}``; the looped core's

@@ -44,7 +44,8 @@ class RowCompaction:
         self.f, self.current = f, f
         self.index: torch.Tensor | None = None       # the rows f runs on (None: all)
         self.fill: torch.Tensor | None = None        # the last f(z) of every row
-        self.keep_last_f = keep_last_f
+        # a row leaves one iteration after it froze: where its last f(z) is returned, or f records entries
+        self.wait = keep_last_f or getattr(f, "records", False)
         self.row_iterations = 0
         self.compactions = 0
 
@@ -69,7 +70,7 @@ class RowCompaction:
 
     def remaining(self, frozen_before: torch.Tensor, frozen_after: torch.Tensor) -> torch.Tensor:
         """[B] bool on the device: the rows still active after an iteration (module docstring, "When")."""
-        frozen = frozen_before if self.keep_last_f else frozen_after
+        frozen = frozen_before if self.wait else frozen_after
         return ~frozen.flatten(1).all(1)
 
     def shrink(self, active: torch.Tensor, count: int) -> None:
