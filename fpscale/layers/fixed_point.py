@@ -110,14 +110,13 @@ class FixedPointLayer(LoopedLayer):
         solve covers the past's iterations and f is applied to z* once more where the output
         step did not record the final entry. ``count_entries``: ``last_stats.entry_iterations`` counts
         each entry's iterations (SolveContext). ``rows(index)`` (decoding): f on the rows ``index`` alone, which
-        the solve uses to compact its batch with ``decode_compact`` on (fpscale.solvers.rows; in ``exact`` mode
-        f records per-iteration entries, so a row leaves one iteration after it froze); elsewhere it is not
-        offered and f runs on every row."""
+        the solve uses to compact its batch with ``decode_compact`` on (fpscale.solvers.rows; both cache modes);
+        elsewhere it is not offered and f runs on every row."""
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
         if rows is not None and step_cache is not None and self.decode_compact:
-            f = _with_rows(f, rows, records=not step_cache.fixed)
+            f = _with_rows(f, rows)
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus(),
                                    state_reduce=reduce, max_iter=self.cap if self.training else self.eval_depth,
                                    real=real, iterate_free=self.iterate_free,
@@ -136,10 +135,9 @@ class FixedPointLayer(LoopedLayer):
         return z
 
 
-def _with_rows(f: Callable, rows: Callable, records: bool) -> Callable:
-    """f offering ``f.rows(index)`` (fpscale.solvers.rows); ``records``: f records an entry per iteration."""
+def _with_rows(f: Callable, rows: Callable) -> Callable:
+    """f offering ``f.rows(index)`` (fpscale.solvers.rows)."""
     def mapped(z):
         return f(z)
     mapped.rows = rows       # type: ignore[attr-defined]
-    mapped.records = records     # type: ignore[attr-defined]
     return mapped

@@ -23,6 +23,9 @@ only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorde
 
 Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
 
+A map restricted to some of the batch's rows (row compaction, fpscale.solvers.rows) reads and records through
+``rows(index)``; a row that left has, at the calls it missed, the entries of its z* (``store``).
+
 ``fixed=True`` (``decode.cache: fixed_point``, docs/decoding.md): one entry per past token, what the map
 reads of it at the fixed point (the first application after the loop: the entry of z*). Every
 iteration of a new token reads it, no past iteration count binds the new solve (``min_iter`` 0) and the
@@ -145,6 +148,7 @@ class StepCache:
         self.final = False
         self.index: torch.Tensor | None = None           # a restricted map's rows (``rows``; None: every row)
         self.iters: list[dict] = []
+        self.restricted: dict[int, torch.Tensor] = {}    # exact: the calls of a restricted map -> its rows
         self.finals: list[dict] = []
 
     @property
@@ -175,18 +179,19 @@ class StepCache:
             if self.final and not self.finals:
                 self.finals.append({k: v.detach().clone() for k, v in entries.items()})
             return
-        if self.index is not None:      # a restricted map's rows: the rows that left hold their last entries
-            last = self.iters[-1]
-            entries = {k: last[k].index_copy(0, self.index, v.to(last[k].dtype)) for k, v in entries.items()}
+        if self.index is not None:      # a restricted map's call: the other rows' entries are their final ones
+            self.restricted[len(self.iters)] = self.index
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
     def rows(self, index: torch.Tensor, room: int = 0) -> StepCache:
         """This cache as a map restricted to rows ``index`` reads and records it (fpscale.solvers.rows; the loop's
         calls only). fixed_point: the past's rows taken once (``take_rows``; ``room`` free tokens in a
         TokenBuffer). exact: the entry list is this cache's, so a read follows its iteration (those rows of the
-        past's entry j, taken per call) and a record appends a whole-batch entry, the rows that left holding
-        their last one: a row leaves once its entries no longer change (rows.py, "When")."""
-        view = copy.copy(self)          # shares ``iters``
+        past's entry j, taken per call), and a record holds those rows; ``store`` gives the rows that left their
+        final entry at those calls. A row leaves once it froze: at or after its past's ``prefix`` (the prefix
+        rule), from where neither its iterate nor its past changes, so its entries at every later call are those
+        of the application to z* (rows.py, "Why")."""
+        view = copy.copy(self)          # shares ``iters`` and ``restricted``
         view.index = index
         if self.fixed and self.past_iters is not None:
             view.past_iters = {n: take_rows(t, index, room) for n, t in self.past_iters.items()}
@@ -226,7 +231,10 @@ class StepCache:
                         kept[n] = how(kept[n], new[n])
             cache[key] = {"iters": kept, "finals": kept, "mode": "fixed_point"}
             return
-        new_iters = {n: torch.stack([e[n] for e in self.iters + self.finals[:1]], 1) for n in combine}
+        final = self.finals[0]      # the entries of z*: those of a row that left a restricted map, at its calls
+        iters = [{n: final[n].index_copy(0, self.restricted[j], v) for n, v in e.items()} if j in self.restricted
+                 else e for j, e in enumerate(self.iters)]
+        new_iters = {n: torch.stack([e[n] for e in iters + self.finals[:1]], 1) for n in combine}
         new_finals = {n: torch.stack([e[n] for e in self.finals], 1) for n in combine}
         if self.past_iters is not None:
             new_iters = _merge(self.past_iters, new_iters, combine)

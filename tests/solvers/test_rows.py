@@ -90,7 +90,6 @@ def exact_decode(compact: bool, anderson: int):
     f = map_of(steps, torch.arange(8))
     if compact:
         f.rows = lambda index: map_of(steps.rows(index), index)       # type: ignore[attr-defined]
-        f.records = True                                              # type: ignore[attr-defined]
     cfg = SolverConfig(tol=1e-6, eval_max_iter=200, anderson=anderson)
     with torch.no_grad():
         z, stats = solve(f, torch.zeros_like(x), cfg, training=False, prefix=steps.prefix, min_iter=steps.min_iter,
