@@ -102,10 +102,11 @@ def cache_tensors(obj, path: str = ""):
 @pytest.mark.parametrize("kind", ["fpsa", "looped", "fpmamba", pytest.param("attractor", marks=pytest.mark.slow),
                                   pytest.param("fpmamba2", marks=pytest.mark.slow)])
 def test_exact_compacted_decoding_equals_uncompacted_with_fewer_rows_computed(kind):
-    """``exact`` mode: a row leaves one iteration after it froze, its later entries its last ones. In float64,
-    so that rounding (a restricted map's batched products, ~1e-15) stays far below what an entry recorded one
-    iteration early would change (the solve's tolerance, 1e-6): the same greedy tokens, solves (iterations,
-    retirements, per-entry counts), logits and every cache entry within 1e-10, and fewer rows computed."""
+    """``exact`` mode: a row leaves the iteration it froze; at the calls it missed its entries are those of z*
+    (``StepCache.store``). In float64, so that rounding (a restricted map's batched products, ~1e-15) stays far
+    below what a wrong entry would change (the last recorded one instead, of the iterate before z*: about the
+    solve's tolerance, 1e-6, and this test fails so): the same greedy tokens, solves (iterations, retirements,
+    per-entry counts), logits and every cache entry within 1e-10, and fewer rows computed."""
     model = spread_model(kind).double().eval()
     ref, ref_logits, ref_stats, ref_caches = greedy_exact(model, compact=False)
     out, logits, stats, caches = greedy_exact(model, compact=True)

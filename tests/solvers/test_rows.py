@@ -103,9 +103,9 @@ def exact_decode(compact: bool, anderson: int):
 
 @pytest.mark.parametrize("anderson", [0, 3])
 def test_exact_cache_rows_leave_once_their_entries_no_longer_change(anderson):
-    """``exact`` decoding's compaction: a row leaves one iteration after it froze (its frozen iterate's entry
-    recorded, read against a past that no longer changes: it froze at or after its prefix), and the rows that
-    left hold their last entries; the solve and the whole cache equal the uncompacted ones bit for bit."""
+    """``exact`` decoding's compaction: a row leaves the iteration it froze (at or after its prefix: from there
+    neither its iterate nor the past it reads changes), and at the calls it missed ``store`` gives it its entries
+    of z*; the solve and the whole cache equal the uncompacted ones bit for bit."""
     ref, ref_stats, ref_cache = exact_decode(False, anderson)
     z, stats, cache = exact_decode(True, anderson)
     assert torch.equal(z, ref)
