@@ -34,8 +34,8 @@ def main(argv=None) -> int:
                     help="what the looped layers cache of past tokens (decode.cache; default: the config's, "
                          "docs/decoding.md)")
     ap.add_argument("--no-compact", action="store_true",
-                    help="fixed_point cache: run every row of a batch of prompts to the slowest one's last iteration "
-                         "(decode.compact: false; by default a row whose token converged leaves the solve)")
+                    help="run every row of a batch of prompts to the slowest one's last iteration (decode.compact: "
+                         "false; by default a row whose token is done leaves the solve, in both cache modes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cuda, cuda:1, cpu ... (default: the first GPU if there is one)")
     args = ap.parse_args(argv)
