@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1, help="rows decoded at once (prompts of different lengths)")
     ap.add_argument("--compact", nargs="+", default=["on"], choices=["on", "off"],
-                    help="decode.compact settings to measure, interleaved (fixed_point mode compacts)")
+                    help="decode.compact settings to measure, interleaved (both modes compact)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (a step's time then waits for its kernels)")
     ap.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every config (e.g. a recipe at CPU sizes: model.d_model=64)")

@@ -62,9 +62,9 @@ def test_agreement_per_layer_type(tmp_path):
     assert bad.returncode != 0 and "no such looped layer" in bad.stderr and "fpsa" in bad.stderr
 
 
-def test_a_batch_with_compaction_computes_no_more_rows_and_exact_does_not_compact(tmp_path):
-    """``--batch 4 --compact off on``: off computes batch x iterations rows per step; on no more, and in exact
-    mode exactly as many (exact does not compact: fpscale.solvers.rows)."""
+def test_a_batch_with_compaction_computes_no_more_rows(tmp_path):
+    """``--batch 4 --compact off on``: off computes batch x iterations rows per step; on no more, in both modes
+    (fpscale.solvers.rows; that it computes fewer is tests/models/test_decode_rows.py's)."""
     out = tmp_path / "decode.json"
     cmd = [sys.executable, "bench/decode.py", "--quick", "--batch", "4", "--compact", "off", "on", "--configs",
            "configs/tiny_attractor.yaml", "--out", str(out)]
@@ -76,7 +76,6 @@ def test_a_batch_with_compaction_computes_no_more_rows_and_exact_does_not_compac
         off, on = rows[mode, "off"], rows[mode, "on"]
         assert off["rows_per_step"] == pytest.approx(4 * off["iters_per_token"])
         assert on["rows_per_step"] <= off["rows_per_step"]
-    assert rows["exact", "on"]["rows_per_step"] == rows["exact", "off"]["rows_per_step"]
 
 
 def test_the_static_and_compiled_steps_decode_as_the_eager_one(tmp_path):

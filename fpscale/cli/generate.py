@@ -36,8 +36,8 @@ def main(argv=None) -> int:
                     help="what the looped layers cache of past tokens (decode.cache; default: the config's, "
                          "docs/decoding.md)")
     ap.add_argument("--no-compact", action="store_true",
-                    help="fixed_point cache: run every row of a batch of prompts to the slowest one's last iteration "
-                         "(decode.compact: false; by default a row whose token converged leaves the solve)")
+                    help="run every row of a batch of prompts to the slowest one's last iteration (decode.compact: "
+                         "false; by default a row whose token is done leaves the solve, in both cache modes)")
     ap.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
                     help="static caches and the model's forward under torch.compile (BACKEND, default inductor): the "
                          "first tokens compile, later ones reuse the graphs; needs the fixed_point cache")

@@ -12,7 +12,7 @@ layer_eval_depth   per layer, by index in the expanded stack, over ``eval_depth`
                    string "1:16;3:4" (lm-evaluation-harness's --model_args cannot hold a dict)
 decode_cache       ``decode.cache``: exact (the default) or fixed_point, what generate()'s cache keeps of
                    the looped layers' past (docs/decoding.md); read at every forward, like the depths
-decode_compact     ``decode.compact``: in fixed_point mode a batch's rows whose tokens converged leave the solve
+decode_compact     ``decode.compact``: a batch's rows whose tokens are done leave the solve (both cache modes)
                    (True, the default) or run to the slowest row's last iteration (False)
 """
 from __future__ import annotations

@@ -137,7 +137,7 @@ class AttractorHead(StackedBlocks):
             head = self.compiled(self.head)
             return self.fixed_point(lambda y: head(y + c, cos, sin, None, pad=pad) - y, c, real).to(x.dtype)
         # decoding: every head block's K/V at every iteration (fpscale.layers.step_cache), as ``looped``
-        def rows_of(index):          # the map over rows ``index`` (fixed_point decoding's row compaction)
+        def rows_of(index):          # the map over rows ``index`` (decoding's row compaction)
             c_r, (cos_r, sin_r, pad_r) = c.index_select(0, index), rope_rows(cos, sin, pad, index)
             return lambda y, past, collect: self.head(y + c_r, cos_r, sin_r, past, collect, pad_r) - y
 

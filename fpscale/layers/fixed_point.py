@@ -110,12 +110,12 @@ class FixedPointLayer(LoopedLayer):
         solve covers the past's iterations and f is applied to z* once more where the output
         step did not record the final entry. ``count_entries``: ``last_stats.entry_iterations`` counts
         each entry's iterations (SolveContext). ``rows(index)`` (decoding): f on the rows ``index`` alone, which
-        the solve uses to compact its batch in ``fixed_point`` mode with ``decode_compact`` on
-        (fpscale.solvers.rows); elsewhere it is not offered and f runs on every row."""
+        the solve uses to compact its batch with ``decode_compact`` on (fpscale.solvers.rows; both cache modes);
+        elsewhere it is not offered and f runs on every row."""
         if self.window_plan is not None:          # a window of a supervised solve (training only)
             return run_plan(self, f, z0, real, self.window_plan)
         reduce = self.shards.state_reduce if self.state_sharded else None
-        if rows is not None and step_cache is not None and step_cache.fixed and not step_cache.static \
+        if rows is not None and step_cache is not None and not step_cache.static \
                 and self.decode_compact:      # (a static cache keeps every shape: no compaction)
             f = _with_rows(f, rows)
         z, self.last_stats = solve(f, z0, self.solver, training=self.training, consensus=self.consensus(),

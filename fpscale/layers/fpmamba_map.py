@@ -271,19 +271,19 @@ class FPMambaMixer(FixedPointLayer):
         else:       # per iteration: the iterate's last y and the scan state after it (fpscale.layers.step_cache)
             steps = self.step_cache(cache)
 
-            def f(yy):
-                y_new, h_last = self.step(yy, u, gate, steps.past("y"), steps.past("h"), return_state=True,
-                                          static=static, real=real)
-                steps.record(y=yy[:, -1], h=h_last)
-                return y_new
+            def map_of(steps, u, gate, static, real):      # f over every row, or a restriction's (``rows``)
+                def f(yy):
+                    y_new, h_last = self.step(yy, u, gate, steps.past("y"), steps.past("h"), return_state=True,
+                                              static=static, real=real)
+                    steps.record(y=yy[:, -1], h=h_last)
+                    return y_new
+                return f
 
-            def rows(index):        # f on rows ``index`` (fixed_point decoding's row compaction), sliced once
+            def rows(index):        # f on rows ``index`` (decoding's row compaction), sliced once
                 u_r, gate_r, real_r = (take_rows(t, index) for t in (u, gate, real))
-                y_r, h_r = (steps.past_rows(n, index, 0) for n in "yh")
-                static_r = self.static(u_r)
-                return lambda yy: self.step(yy, u_r, gate_r, y_r, h_r, static=static_r, real=real_r)
+                return map_of(steps.rows(index), u_r, gate_r, self.static(u_r), real_r)
 
-            y = self.fixed_point(f, torch.zeros_like(u), real, steps, rows=rows)
+            y = self.fixed_point(map_of(steps, u, gate, static, real), torch.zeros_like(u), real, steps, rows=rows)
             steps.store(cache, {"y": replace, "h": replace})
             cache.update(y=y[:, -1].detach())
             if window is not None:

@@ -216,19 +216,21 @@ class FPSAttention(FixedPointLayer):
             n_heads, z0 = 1, h
         self.entries_per_token = n_heads     # per token decisions over the token's heads (solver.forward.decisions)
         self.entries_split = heads           # under TP each rank holds its own heads' entries
-        def f(z):
-            if steps is None:
-                return step(z, h, w_qk, v_all, cos, sin, scale, None, pad)
-            new_k: list = []
-            out = step(z, h, w_qk, v_all, cos, sin, scale, steps.past("k"), keys, new_k)
-            steps.record(k=new_k[0].contiguous())
-            return out
+        def map_of(steps, h, v_all, cos, sin, pad):      # f over every row, or a restriction's (``rows``)
+            def f(z):
+                if steps is None:
+                    return step(z, h, w_qk, v_all, cos, sin, scale, None, pad)
+                new_k: list = []
+                out = step(z, h, w_qk, v_all, cos, sin, scale, steps.past("k"), pad, new_k)
+                steps.record(k=new_k[0].contiguous())
+                return out
+            return f
+        f = map_of(steps, h, v_all, cos, sin, keys)      # keys: pad, or a static step's mask
 
-        def rows(index):        # f on rows ``index`` (fixed_point decoding: fpscale.solvers.rows), sliced once
-            h_r, v_r = h.index_select(0, index), v_all.index_select(0, index)
-            cos_r, sin_r, pad_r = rope_rows(cos, sin, pad, index)
-            past_k = steps.past_rows("k", index, h.shape[1]) if steps is not None else None
-            return lambda z: step(z, h_r, w_qk, v_r, cos_r, sin_r, scale, past_k, pad_r)
+        def rows(index):        # f on rows ``index`` (decoding's row compaction: fpscale.solvers.rows), sliced once
+            assert steps is not None
+            return map_of(steps.rows(index, h.shape[1]), h.index_select(0, index), v_all.index_select(0, index),
+                          *rope_rows(cos, sin, pad, index))
 
         # with freezing, the solver counts each entry's iterations (a frozen entry is not updated)
         z = self.fixed_point(f, z0, real, steps, count_entries=self.solver.freeze_converged, rows=rows)

@@ -108,7 +108,7 @@ class LoopedCore(StackedBlocks):
             s = self.fixed_point(lambda s: one_pass(a2 * s + inject, cos, sin, None, pad=pad), torch.zeros_like(x),
                                  real)
         else:       # every sublayer's K/V at every iteration (fpscale.layers.step_cache)
-            def rows_of(index):      # the map over rows ``index`` (fixed_point decoding's row compaction)
+            def rows_of(index):      # the map over rows ``index`` (decoding's row compaction)
                 inj, (cos_r, sin_r, pad_r) = inject.index_select(0, index), rope_rows(cos, sin, pad, index)
                 return lambda s, past, collect: self.one_pass(a2 * s + inj, cos_r, sin_r, past, collect, pad_r)
 

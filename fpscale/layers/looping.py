@@ -10,7 +10,7 @@ each token stops when its halting distribution has spent its mass).
     decode_cache  what its decoding cache keeps of past tokens (``decode.cache``, ``LoopedLM.decode_cache``):
                   ``exact`` every iteration's entries, ``fixed_point`` the fixed point's (a fixed-point layer;
                   epsilon keeps its per-step entries either way, docs/decoding.md)
-    decode_compact  whether a ``fixed_point`` decoding solve runs its map only on the rows not yet done
+    decode_compact  whether a decoding solve runs its map only on the rows not yet done
                   (``decode.compact``, fpscale.solvers.rows)
     last_stats    the statistics of its last forward (``to_dict()`` when a log step reads them)
     aux_loss      its auxiliary loss of the last training forward, already weighted, or None;
@@ -36,7 +36,7 @@ class LoopedLayer(torch.nn.Module):
         self.optim_step: int | None = None
         self.eval_depth: int | None = None
         self.decode_cache = "exact"
-        self.decode_compact = True       # decode.compact: fixed_point decoding's solves drop their done rows
+        self.decode_compact = True       # decode.compact: decoding's solves drop their done rows
         self.token_capacity = 0          # the decoding cache's preallocated tokens (LoopedLM: model.max_seq_len)
         self.last_stats: Any = None
         self.aux_loss: torch.Tensor | None = None

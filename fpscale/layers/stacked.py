@@ -82,22 +82,21 @@ class StackedBlocks(FixedPointLayer):
                rows_of: Callable | None = None) -> torch.Tensor:
         """The solve of cached decoding: ``f_of(s, past, collect)`` is the map reading the past's K/V of
         every block at this iteration and appending its own (k, v) per block to ``collect``;
-        ``rows_of(index)`` the same map over rows ``index`` of the per-row inputs (fixed_point mode's row
-        compaction, fpscale.solvers.rows: the past's K/V of those rows are taken here, once)."""
-        steps = self.step_cache(cache)
+        ``rows_of(index)`` the same map over rows ``index`` of the per-row inputs (decoding's row
+        compaction, fpscale.solvers.rows: it reads and records the cache through ``steps.rows(index)``)."""
+        steps, new = self.step_cache(cache), z0.shape[1]
 
-        def f(s):
-            collected: list = []
-            out = f_of(s, steps.past_kv(self.blocks), collected)
-            steps.record_kv(collected)
-            return out
+        def map_of(steps, f_of):
+            def f(s):
+                collected: list = []
+                out = f_of(s, steps.past_kv(self.blocks), collected)
+                steps.record_kv(collected)
+                return out
+            return f
 
         def rows(index):
-            f_r, new = rows_of(index), z0.shape[1]
-            past = (None if steps.past_iters is None else
-                    [{kv: steps.past_rows(f"{kv}{l}", index, new) for kv in "kv"} for l in range(self.blocks)])
-            return lambda s: f_r(s, past, None)
+            return map_of(steps.rows(index, new), rows_of(index))
 
-        s = self.fixed_point(f, z0, real, steps, rows=rows if rows_of is not None else None)
+        s = self.fixed_point(map_of(steps, f_of), z0, real, steps, rows=rows if rows_of is not None else None)
         steps.store_kv(cache, self.blocks)
         return s

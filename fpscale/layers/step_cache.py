@@ -30,6 +30,9 @@ new tokens at that index and hands the map its whole capacity, which attention r
 ``fpscale.layers.common.static_mask`` (the positions are a tensor too: ``positions_of``). ``fixed_point``
 mode only: ``exact`` keeps J entries per token, J changing from token to token.
 
+A map restricted to some of the batch's rows (row compaction, fpscale.solvers.rows) reads and records through
+``rows(index)``; a row that left has, at the calls it missed, the entries of its z* (``store``).
+
 ``fixed=True`` (``decode.cache: fixed_point``, docs/decoding.md): one entry per past token, what the map
 reads of it at the fixed point (the first application after the loop: the entry of z*). Every
 iteration of a new token reads it, no past iteration count binds the new solve (``min_iter`` 0) and the
@@ -39,6 +42,7 @@ forward's where both solves converged (within the tolerance), and differs where 
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -171,7 +175,9 @@ class StepCache:
         self.prefix: torch.Tensor | None = past.get("prefix") if past and not fixed else None
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
+        self.index: torch.Tensor | None = None           # a restricted map's rows (``rows``; None: every row)
         self.iters: list[dict] = []
+        self.restricted: dict[int, torch.Tensor] = {}    # exact: the calls of a restricted map -> its rows
         self.finals: list[dict] = []
 
     @property
@@ -193,7 +199,8 @@ class StepCache:
         t = src[name]
         if self.fixed:          # one entry per token: a TokenBuffer (read with ``with_new``) or the state
             return t
-        return t[:, min(index, t.shape[1] - 1)]
+        t = t[:, min(index, t.shape[1] - 1)]
+        return t if self.index is None else t.index_select(0, self.index)
 
     def record(self, **entries: torch.Tensor) -> None:
         """What this call's f computed of the new tokens (after reading ``past``)."""
@@ -201,11 +208,23 @@ class StepCache:
             if self.final and not self.finals:
                 self.finals.append({k: v.detach().clone() for k, v in entries.items()})
             return
+        if self.index is not None:      # a restricted map's call: the other rows' entries are their final ones
+            self.restricted[len(self.iters)] = self.index
         (self.finals if self.final else self.iters).append({k: v.detach() for k, v in entries.items()})
 
-    def past_rows(self, name: str, index: torch.Tensor, room: int):
-        """``past(name)`` of rows ``index`` (``take_rows``): fixed_point mode, where every iteration reads one entry."""
-        return take_rows(self.past(name), index, room)
+    def rows(self, index: torch.Tensor, room: int = 0) -> StepCache:
+        """This cache as a map restricted to rows ``index`` reads and records it (fpscale.solvers.rows; the loop's
+        calls only). fixed_point: the past's rows taken once (``take_rows``; ``room`` free tokens in a
+        TokenBuffer). exact: the entry list is this cache's, so a read follows its iteration (those rows of the
+        past's entry j, taken per call), and a record holds those rows; ``store`` gives the rows that left their
+        final entry at those calls. A row leaves once it froze: at or after its past's ``prefix`` (the prefix
+        rule), from where neither its iterate nor its past changes, so its entries at every later call are those
+        of the application to z* (rows.py, "Why")."""
+        view = copy.copy(self)          # shares ``iters`` and ``restricted``
+        view.index = index
+        if self.fixed and self.past_iters is not None:
+            view.past_iters = {n: take_rows(t, index, room) for n, t in self.past_iters.items()}
+        return view
 
     def past_kv(self, blocks: int) -> list[dict] | None:
         """Attention blocks' past keys and values at this call (``k{l}``, ``v{l}``; the looped core's
@@ -241,7 +260,10 @@ class StepCache:
                         kept[n] = how(kept[n], new[n])
             cache[key] = {"iters": kept, "finals": kept, "mode": "fixed_point"}
             return
-        new_iters = {n: torch.stack([e[n] for e in self.iters + self.finals[:1]], 1) for n in combine}
+        final = self.finals[0]      # the entries of z*: those of a row that left a restricted map, at its calls
+        iters = [{n: final[n].index_copy(0, self.restricted[j], v) for n, v in e.items()} if j in self.restricted
+                 else e for j, e in enumerate(self.iters)]
+        new_iters = {n: torch.stack([e[n] for e in iters + self.finals[:1]], 1) for n in combine}
         new_finals = {n: torch.stack([e[n] for e in self.finals], 1) for n in combine}
         if self.past_iters is not None:
             new_iters = _merge(self.past_iters, new_iters, combine)

@@ -108,7 +108,7 @@ class DecodeConfig:
     ``cache: exact`` keeps what each fixed-point layer's map reads of a past token at every iteration,
     so decoding repeats the full forward exactly (the reference); ``fixed_point`` keeps one entry per past
     token, the fixed point's, a plain model's cache size, equal to the full forward where the solves
-    converged. ``compact`` (fixed_point only): a batch's solve runs its map only on the rows not yet done
+    converged. ``compact`` (both modes): a batch's solve runs its map only on the rows not yet done
     (fpscale.solvers.rows), so a row that converged stops paying for the slowest one's iterations."""
 
     cache: str = "exact"

@@ -2,10 +2,9 @@
 
 Cached decoding (fpscale.models.generate) solves one new token per row, the rows of a batch together. With
 ``solver.forward.decisions: token`` a row's token freezes when it converges (or stalls), but f still runs on
-every row until the slowest one is done. In ``decode.cache: fixed_point`` a row's f reads only its own
-inputs and its own past (one cache entry per past token, the same every iteration), so a frozen row's f(z)
-does not change after it froze: the row can leave the batch. The eager loop (fpscale.solvers.chunked
-``run_loop``, the default schedule) then gathers the rows still active and runs f on them alone; the
+every row until the slowest one is done. A row's f reads only its own inputs, its own iterate and its own past,
+so once the row froze, what it computes stops changing: it can leave the batch. The eager loop (fpscale.solvers.
+chunked ``run_loop``, the default schedule) then gathers the rows still active and runs f on them alone; the
 bookkeeping (``step.advance``: residuals, damping, Anderson's small solves, freezing, counts) stays on every
 row, the rows that left get their last f(z) back (their iterate is held), so the solve's output, statistics
 and per-entry counts keep their shape and meaning.
@@ -13,20 +12,29 @@ and per-entry counts keep their shape and meaning.
     f.rows = lambda index: f_restricted      # the layer's map on rows ``index`` ([n] long, of the whole batch)
     z, stats = solve(f, z0, config)          # stats.row_iterations: f's rows summed over the loop's calls
 
-Where: a map with ``rows`` (the looped layers' decoding maps in ``fixed_point`` mode with ``decode.compact`` on:
-fpsa, looped, fpmamba, fpmamba2, attractor), the eager loop (one iteration per host read: not ``check_every`` > 1, not
-``solver.chunk``, not the fused bookkeeping, not inside a model under ``torch.compile``: those keep static
+Where: a map with ``rows`` (the looped layers' decoding maps with ``decode.compact`` on, both cache modes:
+fpsa, looped, fpmamba, fpmamba2, attractor), the eager loop (one iteration per host read: not ``check_every`` > 1,
+not ``solver.chunk``, not the fused bookkeeping, not inside a model under ``torch.compile``: those keep static
 shapes), ``decisions: token``, no gradient, no TP consensus, no split state and no DP agreement (decoding runs
-in one process). Everything else runs f on every row as before (``RowCompaction.wanted``). ``exact`` mode does
-not offer ``rows``: its f records every row's entries at every iteration (the past's entry j changes with j),
-so a row that left would need its entries for the later iterations computed anyway.
+in one process). Everything else runs f on every row as before (``RowCompaction.wanted``).
+
+Why a frozen row's f stops changing. ``fixed_point`` cache: the past is one entry per token, read at every
+iteration. ``exact`` cache (fpscale.layers.step_cache): f's call j reads the past's entry j and records the
+row's own, but a token freezes only once every token before it is done (the prefix rule), at or after the past's
+``prefix``, the iteration from which the past's entries no longer change (an entry list ends with its last
+entry, read for every later j): from the iteration a row froze its calls read the same past and the same
+iterate, so its entries at every later call are those of the application to z* after the loop (which runs on
+every row). The restricted map reads and records through ``StepCache.rows(index)`` (those rows of the past's
+entry j at call j), and ``StepCache.store`` gives the rows that left their final entry at the calls they missed,
+so the cache is the one the uncompacted solve writes.
 
 When: after an iteration, if the rows still active are at most half of those f ran on (``SHRINK``), f is
-restricted to them (``f.rows``: the layer slices its per-row inputs and cache views once, not per
-iteration). Which rows are done: those whose entries were all frozen before the iteration just run
-where the solve returns its last f(z) (the Attractor variant of Anderson: the row's last f(z) is then
-f(z*) itself), else those frozen after it. A restricted f computes the same rows as the whole-batch f up
-to the rounding of batched products of another size (tests/models/test_decode_rows.py: within 2e-5).
+restricted to them (``f.rows``: the layer slices its per-row inputs, and in fixed_point mode its cache views,
+once, not per iteration). Which rows are done: those whose entries were all frozen before the iteration just
+run where the solve returns its last f(z) (the Attractor variant of Anderson: the row's last f(z) is then
+f(z*) itself; SolverConfig.validate pairs it with ``decisions: sample``, outside this rule), else those frozen
+after it. A restricted f computes the same rows as the whole-batch f up to the rounding of batched products of
+another size (tests/models/test_decode_rows.py: within 2e-5 in float32, 1e-10 in float64).
 """
 from __future__ import annotations
 

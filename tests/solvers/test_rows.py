@@ -6,6 +6,7 @@ done, and the solve's output and statistics are those of the solve over every ro
 import pytest
 import torch
 
+from fpscale.layers.step_cache import StepCache, along
 from fpscale.solvers import SolverConfig, chunked, solve
 from fpscale.solvers.rows import RowCompaction
 
@@ -61,6 +62,61 @@ def test_a_compacted_solve_equals_the_solve_over_every_row_and_computes_fewer_ro
     # each restriction at most half the rows of the one before, and never a row that is still running dropped
     sizes = sorted({len(c) for c in calls}, reverse=True)
     assert sizes[0] == 8 and len(sizes) > 1 and all(b <= a // 2 for a, b in zip(sizes, sizes[1:]))
+
+
+def exact_decode(compact: bool, anderson: int):
+    """One new token per row solved against an ``exact`` decoding cache (fpscale.layers.step_cache), as a layer
+    does: f reads the past's entry j at its call j and records its own; the past of row b changes until its
+    ``prefix`` (iteration 1 .. 5) and is constant after, as a cache the prefix rule wrote is. The map is
+    elementwise (z, p -> a_b (z + p) / (1 + |z + p|) + x_b), so its rows are the same bit for bit whatever
+    rows it runs on. Returns (z, stats, the cache after ``store``)."""
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.tensor([1, 2, 3, 5, 5, 4, 2, 1])
+    past = torch.randn(8, 6, 2, 6, generator=g)             # [B, J entries, 2 past tokens, D]
+    for b, j in enumerate(prefix.tolist()):
+        past[b, j:] = past[b, j]
+    x = torch.randn(8, 1, 6, generator=g)
+    cache = {"steps": {"iters": {"p": past}, "finals": {"p": past[:, -1:]}, "mode": "exact", "prefix": prefix}}
+    steps = StepCache(cache)
+
+    def map_of(steps, index):
+        a, xs = A[index, None, None], x[index]
+
+        def f(z):
+            u = z + steps.past("p")[:, -1:]
+            steps.record(p=z * 0.5 + u)
+            return a * u / (1 + u.abs()) + xs
+        return f
+    f = map_of(steps, torch.arange(8))
+    if compact:
+        f.rows = lambda index: map_of(steps.rows(index), index)       # type: ignore[attr-defined]
+    cfg = SolverConfig(tol=1e-6, eval_max_iter=200, anderson=anderson)
+    with torch.no_grad():
+        z, stats = solve(f, torch.zeros_like(x), cfg, training=False, prefix=steps.prefix, min_iter=steps.min_iter,
+                         on_final=steps.on_final, count_entries=True)
+        if not steps.finals:
+            f(z)
+    steps.retired_at = stats.retired_at
+    steps.store(cache, {"p": along(1)})
+    return z, stats, cache["steps"]
+
+
+@pytest.mark.parametrize("anderson", [0, 3])
+def test_exact_cache_rows_leave_once_their_entries_no_longer_change(anderson):
+    """``exact`` decoding's compaction: a row leaves the iteration it froze (at or after its prefix: from there
+    neither its iterate nor the past it reads changes), and at the calls it missed ``store`` gives it its entries
+    of z*; the solve and the whole cache equal the uncompacted ones bit for bit."""
+    ref, ref_stats, ref_cache = exact_decode(False, anderson)
+    z, stats, cache = exact_decode(True, anderson)
+    assert torch.equal(z, ref)
+    assert stats.iterations == ref_stats.iterations and stats.stopped_by == ref_stats.stopped_by == "converged"
+    assert torch.equal(stats.retired_at, ref_stats.retired_at)
+    assert torch.equal(stats.entry_iterations, ref_stats.entry_iterations)
+    assert (stats.retired_at >= torch.tensor([1, 2, 3, 5, 5, 4, 2, 1])).all()      # the prefix rule
+    for part in ("iters", "finals"):
+        assert torch.equal(cache[part]["p"], ref_cache[part]["p"]), part
+    assert torch.equal(cache["prefix"], ref_cache["prefix"])
+    assert stats.row_iterations < ref_stats.row_iterations == 8 * ref_stats.iterations
 
 
 @pytest.mark.parametrize("setting", [{"decisions": "sample"}, {"check_every": 2}, {"chunk": 2}])
