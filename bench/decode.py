@@ -38,6 +38,12 @@ graphs stay.
     python bench/decode.py --threads 1 --configs configs/tiny_attn.yaml configs/tiny_looped.yaml --modes fixed_point \
         --steps eager static compiled compiled_static --T 64 512
 
+``--alloc`` adds ``alloc_mb_per_token``: the bytes the allocators hand out per decoded token (torch.profiler's
+memory events over an untimed decode of the same tokens): a step that copies its cache shows it here whatever the
+machine's load (``exact`` mode concatenated its whole per-iteration cache each step before its EntryBuffer).
+
+    python bench/decode.py --threads 1 --configs configs/tiny_{looped,attractor,fpsa}.yaml --modes exact --T 512 --alloc
+
 A ``--configs`` entry that is a folder is a trained model (its config.yaml and model.safetensors, a run's ``final``).
 """
 from __future__ import annotations
@@ -91,7 +97,7 @@ def attention_blocks(cfg) -> int:
 def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int = 0, batch: int = 1,
             compact: tuple[str, ...] = ("on",), device: str = "cpu", overrides: tuple[str, ...] = (),
             steps: tuple[str, ...] = ("eager",), compile_mode: str = "default",
-            backend: str = "inductor") -> list[dict]:
+            backend: str = "inductor", alloc: bool = False) -> list[dict]:
     """One row per (``compact``, ``steps``) setting; the settings' runs interleaved ``repeats`` times."""
     # caches are preallocated for model.max_seq_len: the prompt and the new tokens exactly
     folder = Path(path) if Path(path).is_dir() else None         # a trained model: config.yaml, model.safetensors
@@ -118,7 +124,7 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(model.forward, mode=compile_mode, backend=backend) if compiling else None
 
-    def decode(compact_on: bool, step: str):
+    def decode(compact_on: bool, step: str, profiler=None):
         static = step.endswith("static")
         forward = compiled if step.startswith("compiled") else model
         place = (lambda n: torch.tensor(n, device=dev)) if static else (lambda n: n)
@@ -127,6 +133,8 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
             caches = model.new_caches(static=static)
             logits = forward(prompt, caches=caches, pos=place(0), pad=pad)[:, -1]
             tokens = prompt
+            if profiler is not None:      # the steps' allocations (the prompt's not counted)
+                profiler.start()
             for _ in range(new):
                 tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
                 sync()
@@ -137,7 +145,20 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
                 done = [layer.last_stats for layer in layers.values() if layer.last_stats is not None]
                 iters += [st.iterations for st in done]
                 rows += [st.row_iterations for st in done]
+            if profiler is not None:
+                profiler.stop()
         return statistics.median(times), iters, rows, cache_bytes(caches)
+
+    def allocated_per_token(setting) -> float:
+        """MB the allocator hands out per decoded token (torch.profiler's memory events; an untimed decode)."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        prof = profile(activities=activities, profile_memory=True)
+        decode(setting[0] == "on", setting[1], prof)
+        events = prof.key_averages()
+        total = sum(max(e.self_cpu_memory_usage, 0) + max(getattr(e, "self_device_memory_usage", 0), 0)
+                    for e in events)
+        return total / new / 2 ** 20
 
     settings = [(c, step) for c in compact for step in steps]
     for step in compiling:            # their graphs compile in an untimed decode
@@ -146,6 +167,7 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
     for _ in range(repeats):          # the same tokens each time; the fastest repeat's median (load comes and goes)
         for setting in settings:
             runs[setting].append(decode(setting[0] == "on", setting[1]))
+    allocs = {setting: allocated_per_token(setting) for setting in settings} if alloc else {}
     blocks = attention_blocks(cfg)
     out = []
     for (setting, step), got in runs.items():
@@ -156,7 +178,8 @@ def measure(path: str, mode: str, T: int, new: int, repeats: int = 1, seed: int 
                     "cache_mb": nbytes / 2 ** 20,
                     "per_block_kb": nbytes / batch / (T + new) / blocks / 2 ** 10 if blocks else None,
                     "iters_per_token": statistics.mean(iters) if iters else None,
-                    "rows_per_step": statistics.mean(rows) if rows else None, "cache_bytes": nbytes})
+                    "rows_per_step": statistics.mean(rows) if rows else None, "cache_bytes": nbytes,
+                    "alloc_mb_per_token": allocs.get((setting, step))})
     return out
 
 
@@ -179,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],
                     help="torch.compile's mode for the compiled steps (reduce-overhead: CUDA graphs on a GPU)")
     ap.add_argument("--backend", default="inductor", help="torch.compile's backend for the compiled steps")
+    ap.add_argument("--alloc", action="store_true",
+                    help="also MB allocated per decoded token (torch.profiler's memory events, an untimed decode)")
     ap.add_argument("--quick", action="store_true", help="T 8, 4 new tokens (a test's size)")
     ap.add_argument("--out", help="JSON path (default bench/results/decode.json)")
     args = ap.parse_args(argv)
@@ -197,12 +222,14 @@ def main(argv=None) -> int:
         rows += [row for T in args.T for m in args.modes
                  for row in measure(c, m, T, args.new, args.repeats, batch=args.batch, compact=tuple(args.compact),
                                     device=args.device, overrides=tuple(args.override), steps=tuple(args.steps),
-                                    compile_mode=args.compile_mode, backend=args.backend)]
+                                    compile_mode=args.compile_mode, backend=args.backend, alloc=args.alloc)]
         write_json("decode", {"args": vars(args), "rows": rows, "complete": c == args.configs[-1]}, args.out,
                    quiet=c != args.configs[-1])
     columns = BATCH_COLUMNS if args.batch > 1 or len(args.compact) > 1 else COLUMNS
     if args.steps != ["eager"]:
         columns = [*columns[:2], "step", *columns[2:]]
+    if args.alloc:
+        columns = [*columns, "alloc_mb_per_token"]
     print_table(rows, columns)
     return 0
 

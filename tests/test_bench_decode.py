@@ -81,14 +81,15 @@ def test_a_batch_with_compaction_computes_no_more_rows(tmp_path):
 def test_the_static_and_compiled_steps_decode_as_the_eager_one(tmp_path):
     """``--steps eager static compiled compiled_static`` (dynamo's eager backend here: no C++ build): a row per
     step, the same solves (iterations per token) and the same caches (static ones are preallocated as dynamic
-    ones are); exact mode is refused for static steps."""
+    ones are), ``--alloc``'s column; exact mode is refused for static steps."""
     out = tmp_path / "decode.json"
     cmd = [sys.executable, "bench/decode.py", "--quick", "--batch", "2", "--modes", "fixed_point", "--steps",
            "eager", "static", "compiled", "compiled_static", "--backend", "eager", "--configs",
            "configs/tiny_looped.yaml", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    proc = subprocess.run(cmd + ["--alloc"], cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["step"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["alloc_mb_per_token"] > 0 for r in rows.values()) and "alloc_mb_per_token" in proc.stdout
     assert set(rows) == {"eager", "static", "compiled", "compiled_static"} and "step" in proc.stdout
     for step in ("static", "compiled", "compiled_static"):
         assert rows[step]["iters_per_token"] == rows["eager"]["iters_per_token"], rows

@@ -21,7 +21,11 @@ steps. The new token's solve runs at least as many iterations as the past record
 an entry that depends on earlier tokens (a scan state, the core's deeper sublayers) is complete
 only from there on. Every tensor is batch-first ([B, J, ...]: beam search reorders dim 0).
 
-Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1).
+Memory: J = (iterations + 1) entries per cached tensor instead of one (J <= eval cap + 1). What grows along a
+token axis (keys, values) lives in an ``EntryBuffer``, preallocated for ``model.max_seq_len`` tokens: a token's
+entries are written in place, and a map's entry j is a view into it where the new tokens' entries are written
+each iteration (``entry``), so neither a decoding step nor an iteration copies the past; J grows (a copy of the
+filled part) only when a token takes more iterations than every earlier one.
 
 Static caches (``LoopedLM.new_caches(static=True)``, ``generate(..., static=True)``, docs/decoding.md): every
 shape of a decoding step is the same at every position, so a compiled step (``torch.compile(dynamic=False)``,
@@ -113,10 +117,56 @@ class TokenBuffer:
 
     def index_select(self, dim: int, index: torch.Tensor) -> TokenBuffer:
         """Beam search's reordering of the rows (dim 0)."""
-        out = object.__new__(TokenBuffer)
-        out.data, out.dim, out.static = self.data.index_select(dim, index), self.dim, self.static
-        out.n = self.n.clone() if self.static else self.n
+        out = copy.copy(self)
+        out.data = self.data.index_select(dim, index)
+        if self.static:
+            out.n = self.n.clone()
         return out
+
+
+class EntryBuffer(TokenBuffer):
+    """``exact`` mode's entries [B, J, ...] of a tensor that grows along the token axis ``dim`` (of the stacked
+    tensor: keys [B, J, H, T, dh] along 3), preallocated for ``capacity`` tokens. ``append`` writes a step's
+    entries after the filled part; a token's entries past its last equal its last (``_pad``'s rule), so a step
+    of fewer entries than J repeats its last, and one of more first extends every past token's (a copy of the
+    filled part, when J grows: a token slower than every one before it)."""
+
+    def __init__(self, first: torch.Tensor, dim: int, capacity: int):
+        self.J = first.shape[1]
+        super().__init__(first, dim, capacity)
+
+    def with_new(self, new: torch.Tensor) -> torch.Tensor:        # (the first entries: ``append`` after)
+        self.data.narrow(self.dim, self.n, new.shape[self.dim]).copy_(new)
+        return self.view()
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, :self.J].narrow(self.dim, 0, self.n)
+
+    def entry(self, j: int) -> TokenBuffer:
+        """Entry j (past J: the last) as a TokenBuffer over this storage: a map's ``with_new`` writes the new
+        tokens' entries after the past there (``append`` writes the step's own over them after the solve)."""
+        out = object.__new__(TokenBuffer)
+        out.data, out.dim, out.n, out.static = self.data[:, min(j, self.J - 1)], self.dim - 1, self.n, False
+        return out
+
+    def append(self, new: torch.Tensor) -> None:
+        """The new tokens' entries [B, Jn, ...]: J becomes max(J, Jn)."""
+        jn, t = new.shape[1], new.shape[self.dim]
+        J = max(self.J, jn)
+        if J > self.data.shape[1] or self.n + t > self.data.shape[self.dim]:     # grow: J, or tokens by doubling
+            shape = list(self.data.shape)
+            shape[1] = J
+            shape[self.dim] *= 1 if self.n + t <= shape[self.dim] else 2
+            grown = self.data.new_empty(shape)
+            grown[:, :self.J].narrow(self.dim, 0, self.n).copy_(self.view())
+            self.data = grown
+        if J > self.J:          # the past tokens' entries J .. : their last
+            past = self.data.narrow(self.dim, 0, self.n)
+            past[:, self.J:J] = past[:, self.J - 1:self.J]
+        slot = self.data.narrow(self.dim, self.n, t)
+        slot[:, :jn] = new
+        slot[:, jn:J] = new[:, -1:]
+        self.J, self.n = J, self.n + t
 
 
 def take_rows(x, index: torch.Tensor, room: int = 0):
@@ -176,6 +226,7 @@ class StepCache:
         self.retired_at: torch.Tensor | None = None      # the solve's, for the next chunk
         self.final = False
         self.index: torch.Tensor | None = None           # a restricted map's rows (``rows``; None: every row)
+        self.room = 0                                    # its new tokens (``take_rows``'s room)
         self.iters: list[dict] = []
         self.restricted: dict[int, torch.Tensor] = {}    # exact: the calls of a restricted map -> its rows
         self.finals: list[dict] = []
@@ -185,7 +236,8 @@ class StepCache:
         """Iterations the new tokens' solve must cover: as many as the past recorded (z^0 .. z^{J-1})."""
         if not self.past_iters or self.fixed:
             return 0
-        return next(iter(self.past_iters.values())).shape[1] - 1
+        t = next(iter(self.past_iters.values()))
+        return (t.J if isinstance(t, EntryBuffer) else t.shape[1]) - 1
 
     def on_final(self) -> None:
         """The loop ended: f's next calls are the applications after the solve."""
@@ -199,6 +251,9 @@ class StepCache:
         t = src[name]
         if self.fixed:          # one entry per token: a TokenBuffer (read with ``with_new``) or the state
             return t
+        if isinstance(t, EntryBuffer):       # a view: the map writes its new entries in place
+            t = t.entry(index)
+            return t if self.index is None else take_rows(t, self.index, self.room)
         t = t[:, min(index, t.shape[1] - 1)]
         return t if self.index is None else t.index_select(0, self.index)
 
@@ -221,7 +276,7 @@ class StepCache:
         rule), from where neither its iterate nor its past changes, so its entries at every later call are those
         of the application to z* (rows.py, "Why")."""
         view = copy.copy(self)          # shares ``iters`` and ``restricted``
-        view.index = index
+        view.index, view.room = index, room
         if self.fixed and self.past_iters is not None:
             view.past_iters = {n: take_rows(t, index, room) for n, t in self.past_iters.items()}
         return view
@@ -268,6 +323,11 @@ class StepCache:
         if self.past_iters is not None:
             new_iters = _merge(self.past_iters, new_iters, combine)
             new_finals = _merge(self.past_finals, new_finals, combine)
+        else:            # what grows along the tokens: preallocated for ``capacity`` tokens (EntryBuffer)
+            for new in (new_iters, new_finals):
+                for n, how in combine.items():
+                    if isinstance(how, along):
+                        new[n] = EntryBuffer(new[n], how.dim + 1, self.capacity)
         cache[key] = {"iters": new_iters, "finals": new_finals, "mode": "exact"}
         if self.retired_at is not None:
             cache[key]["prefix"] = self.retired_at
@@ -276,6 +336,10 @@ class StepCache:
 def _merge(past: dict, new: dict, combine: dict[str, Combine]) -> dict:
     out = {}
     for name, how in combine.items():
+        if isinstance(past[name], EntryBuffer):       # written in place
+            past[name].append(new[name])
+            out[name] = past[name]
+            continue
         n = max(past[name].shape[1], new[name].shape[1])
         out[name] = how(_pad(past[name], n), _pad(new[name], n))
     return out
