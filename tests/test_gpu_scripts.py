@@ -68,6 +68,16 @@ def test_gpu_bench_out_of_budget_writes_what_it_skipped(tmp_path):
 STEPS_CPU = ["env", "kernels", "ds_zero1", "ds_zero3", "ds_compare", "recipes", "scan", "solver", "chunks", "speed"]
 
 
+def gpu_plan(tmp_path) -> list[dict]:
+    """scripts/gpu_checklist.py's steps on a GPU (its plan, built here without one)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    return gpu_checklist.plan_steps(sys.executable, True, tmp_path)
+
+
 def records(out) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
 
@@ -134,13 +144,8 @@ def test_gpu_checklist_ends_on_time_and_names_what_it_skipped(tmp_path):
 def test_gpu_checklist_gpu_plan_passes_config_validation(tmp_path):
     """The GPU branch's training runs (never run in CI, which has no GPU) are valid configs: the first
     GPU run failed all four on data.seq_len 256 > tiny_mixed's max_seq_len 128."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import gpu_checklist
-    finally:
-        sys.path.pop(0)
     import fpscale
-    trains = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if "launch/pretrain.py" in s["cmd"]]
+    trains = [s for s in gpu_plan(tmp_path) if "launch/pretrain.py" in s["cmd"]]
     assert [s["name"] for s in trains] == ["ds_zero1", "ds_zero1_torch", "ds_zero3", "ds_zero3_torch"]
     for step in trains:
         cmd = [str(c) for c in step["cmd"]]
@@ -167,12 +172,7 @@ def test_the_checklist_decodes_the_recipes_only_when_named(tmp_path):
     # the looped recipes keep a plain model's K/V per block in fixed_point, more in exact
     for c in ("125m_looped", "140m_attractor"):
         assert rows[(c, "fixed_point")]["cache_bytes"] < rows[(c, "exact")]["cache_bytes"], c
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import gpu_checklist
-    finally:
-        sys.path.pop(0)
-    (gpu,) = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if s["name"] == "decode"]
+    (gpu,) = [s for s in gpu_plan(tmp_path) if s["name"] == "decode"]
     assert gpu["cmd"][gpu["cmd"].index("--device") + 1] == "cuda" and gpu.get("opt_in")
 
 
@@ -190,10 +190,5 @@ def test_the_checklist_decodes_compiled_steps_only_when_named(tmp_path):
     assert sorted(rows) == sorted((c, s) for c in configs for s in ("eager", "compiled", "compiled_static"))
     for c in configs:
         assert len({rows[c, s]["iters_per_token"] for s in ("eager", "compiled", "compiled_static")}) == 1, c
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import gpu_checklist
-    finally:
-        sys.path.pop(0)
-    (gpu,) = [s for s in gpu_checklist.plan_steps(sys.executable, True, tmp_path) if s["name"] == "decode_compiled"]
+    (gpu,) = [s for s in gpu_plan(tmp_path) if s["name"] == "decode_compiled"]
     assert gpu["cmd"][gpu["cmd"].index("--compile-mode") + 1] == "reduce-overhead" and gpu.get("opt_in")
