@@ -68,7 +68,7 @@ def _decode(model, tokens, max_new_tokens, temperature, use_cache, top_k, genera
     def position(n: int):        # a static step's position is data (a tensor), not a constant a graph guards on
         return torch.tensor(n, device=tokens.device) if static else n
 
-    caches = (model.new_caches(static=True) if static else model.new_caches()) if use_cache else None
+    caches = model.new_caches(static=static) if use_cache else None
     logits = forward(tokens, caches=caches, pos=position(0), pad=pad)
     steps = []
     for i in range(max_new_tokens):
