@@ -143,19 +143,6 @@ def real_tokens(pad: torch.Tensor | None, pos, length: int) -> torch.Tensor | No
     return positions_of(pos, length, pad.device)[None] >= pad[:, None]
 
 
-def static_mask(pad: torch.Tensor | None, pos, length: int, capacity: int, like: torch.Tensor) -> torch.Tensor:
-    """The keys each new token reads in a static-shape decoding step (fpscale.layers.step_cache, ``static``):
-    attention runs over the cache's whole capacity, and query i (position pos + i) reads the positions up to
-    its own, not a row's left padding (a padded query reads itself, as ``causal_attention``'s): bool
-    [T, capacity], or [B, 1, T, capacity] with ``pad``. What ``causal_attention`` takes for ``pad`` then."""
-    keys = torch.arange(capacity, device=like.device)
-    query = positions_of(pos, length, like.device)[:, None]
-    mask = keys[None] <= query
-    if pad is None:
-        return mask
-    return mask & ((keys >= pad[:, None, None, None]) | (keys == query))
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [B, H, T, dh] by position (pairs of halves, as in GPT-NeoX/Llama); the result is in
     x's dtype, so q and k leave RoPE in the dtype v has (bf16 under autocast or a bf16 model) and
@@ -176,7 +163,7 @@ def self_attention(h: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, head
                    past: dict | None = None, dropout_p: float = 0.0, pad: torch.Tensor | None = None,
                    qk_norm: bool = False, v_extra: torch.Tensor | None = None):
     """Causal attention of h with fused q/k/v weights; ``past`` holds cached k, v of earlier
-    tokens; ``pad`` the rows' left padding (or a static step's mask: ``static_mask``). Returns
+    tokens; ``pad`` the rows' left padding (or a static step's mask: ``causal_mask``). Returns
     (output, k, v) with k, v the new tokens' (what a cache keeps of them). ``qk_norm``: q and k
     get a parameter-free RMSNorm over each head after RoPE (eps: the dtype's machine epsilon,
     F.rms_norm's default), as jacobfa/Attractor does (attractor/modules/mixer.py:13-15, 80-81);

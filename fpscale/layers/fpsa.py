@@ -59,12 +59,12 @@ from fpscale.layers.common import (
     rope_span,
     spectral_normalize,
     split_heads,
-    static_mask,
     swiglu_hidden,
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.step_cache import TokenBuffer, along, is_static, rope_rows, with_new
+from fpscale.ops.attention import causal_mask
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -203,7 +203,8 @@ class FPSAttention(FixedPointLayer):
         step = self.compiled(method) if cache is None else method     # decoding stays eager
         real = real_tokens(pad, pos, h.shape[1])
         static = is_static(cache)       # a static decoding step's keys: the cache's capacity, masked
-        keys = static_mask(pad, pos, h.shape[1], self.token_capacity, h) if static and past_v is not None else pad
+        keys = (causal_mask(pad, pos, h.shape[1], self.token_capacity, h.device) if static and past_v is not None
+                else pad)
         if heads:
             n_heads = v.shape[1]
             if self.solver.anderson and self.shards.consensus is not None:

@@ -13,10 +13,11 @@ from typing import Callable
 
 import torch
 
-from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, static_mask, swiglu, swiglu_hidden
+from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, swiglu, swiglu_hidden
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.step_cache import is_static
 from fpscale.layers.switches import relu2
+from fpscale.ops.attention import causal_mask
 
 
 class StackedBlocks(FixedPointLayer):
@@ -73,9 +74,9 @@ class StackedBlocks(FixedPointLayer):
 
     def attention_keys(self, cache: dict, pad, pos, length: int, like: torch.Tensor):
         """What the blocks' attention takes for ``pad`` in a decoding step: the rows' padding, or, in a static
-        cache that holds a past, the mask over its capacity (fpscale.layers.common.static_mask)."""
+        cache that holds a past, the mask over its capacity (fpscale.ops.attention.causal_mask)."""
         if is_static(cache) and cache.get("steps"):
-            return static_mask(pad, pos, length, self.token_capacity, like)
+            return causal_mask(pad, pos, length, self.token_capacity, like.device)
         return pad
 
     def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict,

@@ -31,7 +31,7 @@ Static caches (``LoopedLM.new_caches(static=True)``, ``generate(..., static=True
 shape of a decoding step is the same at every position, so a compiled step (``torch.compile(dynamic=False)``,
 CUDA graphs) is built once. A ``TokenBuffer`` then counts its filled tokens in a device tensor, writes the
 new tokens at that index and hands the map its whole capacity, which attention reads under
-``fpscale.layers.common.static_mask`` (the positions are a tensor too: ``positions_of``). ``fixed_point``
+``fpscale.ops.attention.causal_mask`` (the positions are a tensor too: ``positions_of``). ``fixed_point``
 mode only: ``exact`` keeps J entries per token, J changing from token to token.
 
 A map restricted to some of the batch's rows (row compaction, fpscale.solvers.rows) reads and records through
@@ -82,7 +82,7 @@ class TokenBuffer:
     Past the capacity (a caller that outgrows it) the buffer doubles, once per doubling.
 
     ``static``: the count ``n`` is a 0-dim long tensor, ``with_new`` writes at it and returns the whole
-    buffer (the same shape at every position: the reader masks what is not filled, ``static_mask``); it
+    buffer (the same shape at every position: the reader masks what is not filled, ``causal_mask``); it
     never grows (a caller past the capacity gets an error: ``LoopedLM.hidden`` and ``generate`` check first)."""
 
     def __init__(self, first: torch.Tensor, dim: int, capacity: int, static: bool = False):

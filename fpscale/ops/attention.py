@@ -73,6 +73,19 @@ def sdpa_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return f"sdpa q {dtypes[0]} k {dtypes[1]} v {dtypes[2]}"
 
 
+def causal_mask(pad: torch.Tensor | None, pos, length: int, n_keys: int, device) -> torch.Tensor:
+    """The keys 0 .. n_keys - 1 each of ``length`` queries at positions pos, pos + 1, ... reads: those up to its
+    own position, not a row's left padding (``pad`` [B]; a padded query reads itself): bool [Tq, Tk], or
+    [B, 1, Tq, Tk] with ``pad``. ``pos`` an int (the queries at the end of the keys: Tk - Tq) or a 0-dim
+    tensor (a static-shape decoding step, whose keys are the cache's whole capacity: fpscale.layers.step_cache)."""
+    keys = torch.arange(n_keys, device=device)
+    query = (pos + torch.arange(length, device=device))[:, None]
+    mask = keys[None] <= query
+    if pad is None:
+        return mask
+    return mask & ((keys >= pad[:, None, None, None]) | (keys == query))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: torch.Tensor | float | None = None, dropout_p: float = 0.0,
                      pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +96,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``dropout_p`` drops attention probabilities (training only: callers pass 0 in eval);
     ``pad`` [B] hides each row's left padding from every query (a padded query sees itself); a bool
     ``pad`` is the mask itself ([Tq, Tk] or [B, 1, Tq, Tk]: a static-shape decoding step, whose keys are
-    the cache's whole capacity, fpscale.layers.common.static_mask).
+    the cache's whole capacity: ``causal_mask``).
     flash-attn is used on CUDA for fp16/bf16 without padding (``flash_attn_for``; a per-head scale
     is folded into q), so every attention inside a fixed-point map (fpsa, the looped core) runs on
     it; SDPA otherwise.
@@ -107,9 +120,5 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return F.scaled_dot_product_attention(q, k, v, attn_mask=pad, scale=scale, dropout_p=dropout_p)
     if Tq == Tk and pad is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
-    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-    if pad is not None:
-        keys = torch.arange(Tk, device=q.device)
-        own = keys[None] == torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-        mask = mask & ((keys >= pad[:, None, None, None]) | own)          # [B, 1, Tq, Tk]
+    mask = causal_mask(pad, Tk - Tq, Tq, Tk, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fpscale
-from fpscale.layers.common import static_mask
-from fpscale.ops.attention import causal_attention
+from fpscale.ops.attention import causal_attention, causal_mask
 from tests.models.helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,20 +16,21 @@ PROMPTS = torch.randint(0, 32, (3, 10), generator=torch.Generator().manual_seed(
 PAD = torch.tensor([0, 3, 6])          # left padding: rows of 10, 7 and 4 real tokens
 
 
-def test_the_static_mask_is_causal_attention_over_the_filled_part():
-    """Attention over a capacity of 16 under ``static_mask`` equals attention over the 9 filled keys (the
-    bottom-right causal mask, left padding hidden); the unfilled slots hold zeros (a static buffer's), read
-    with weight 0."""
+def test_a_static_mask_is_causal_attention_over_the_filled_part():
+    """Attention over a capacity of 16 under ``causal_mask`` at a tensor position equals attention over the 9
+    filled keys (the bottom-right causal mask, left padding hidden); the unfilled slots hold zeros (a static
+    buffer's), read with weight 0."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, n, 8, generator=g) for n in (2, 9, 9))
     pad = torch.tensor([0, 2, 5])
     ref = causal_attention(q, k, v, pad=pad)
     room = torch.zeros(3, 2, 7, 8)
     got = causal_attention(q, torch.cat([k, room], 2), torch.cat([v, room], 2),
-                           pad=static_mask(pad, torch.tensor(7), 2, 16, q))
+                           pad=causal_mask(pad, torch.tensor(7), 2, 16, q.device))
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     unpadded = causal_attention(q, k, v)
-    got = causal_attention(q, torch.cat([k, room], 2), torch.cat([v, room], 2), pad=static_mask(None, 7, 2, 16, q))
+    got = causal_attention(q, torch.cat([k, room], 2), torch.cat([v, room], 2),
+                           pad=causal_mask(None, 7, 2, 16, q.device))
     torch.testing.assert_close(got, unpadded, rtol=1e-6, atol=1e-6)
 
 
