@@ -23,9 +23,8 @@ from fpscale.layers.common import (
     swiglu_hidden,
 )
 from fpscale.layers.registry import LayerSpec
-from fpscale.layers.step_cache import TokenBuffer, is_static
+from fpscale.layers.step_cache import TokenBuffer, attention_keys, is_static
 from fpscale.layers.switches import INITS, MLP_KINDS, VE_GATE_CHANNELS, Relu2MLP, ValueEmbedding, scaled_zero_ortho_
-from fpscale.ops.attention import causal_mask
 
 
 def heads_and_mlp(cfg) -> list[tuple[str, int]]:
@@ -98,7 +97,7 @@ class Attention(torch.nn.Module):
                 pad: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_span(self.head_dim, pos, h.shape[1], self.rope_theta, h, pad)
         static = is_static(cache)
-        keys = causal_mask(pad, pos, h.shape[1], self.token_capacity, h.device) if static and "k" in cache else pad
+        keys = attention_keys(cache, static and "k" in cache, pad, pos, h.shape[1], self.token_capacity, h.device)
         h = self.shards.enter(h)
         extra = self.value_embed(h) if self.value_embed is not None else None
         with self.shards.rng():         # attention dropout: a mask per head, so per TP shard

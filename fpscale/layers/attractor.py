@@ -45,7 +45,7 @@ from fpscale.layers.attn import check_switches, heads_and_mlp
 from fpscale.layers.common import attention_flops, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.stacked import StackedBlocks
-from fpscale.layers.step_cache import rope_rows
+from fpscale.layers.step_cache import attention_keys, rope_rows
 from fpscale.layers.switches import scaled_zero_ortho, scaled_zero_ortho_, trunc_normal_3
 
 
@@ -141,7 +141,7 @@ class AttractorHead(StackedBlocks):
             c_r, (cos_r, sin_r, pad_r) = c.index_select(0, index), rope_rows(cos, sin, pad, index)
             return lambda y, past, collect: self.head(y + c_r, cos_r, sin_r, past, collect, pad_r) - y
 
-        keys = self.attention_keys(cache, pad, pos, x.shape[1], x)
+        keys = attention_keys(cache, bool(cache.get("steps")), pad, pos, x.shape[1], self.token_capacity, x.device)
         y = self.decode(lambda y, past, collect: self.head(y + c, cos, sin, past, collect, keys) - y, c, real, cache,
                         rows_of)
         return y.to(x.dtype)

@@ -63,8 +63,7 @@ from fpscale.layers.common import (
 )
 from fpscale.layers.fixed_point import FixedPointLayer
 from fpscale.layers.registry import FixedPointSpec
-from fpscale.layers.step_cache import TokenBuffer, along, is_static, rope_rows, with_new
-from fpscale.ops.attention import causal_mask
+from fpscale.layers.step_cache import TokenBuffer, along, attention_keys, is_static, rope_rows, with_new
 from fpscale.solvers.stats import SolverStats
 
 HALTING = ("token", "head")
@@ -203,8 +202,7 @@ class FPSAttention(FixedPointLayer):
         step = self.compiled(method) if cache is None else method     # decoding stays eager
         real = real_tokens(pad, pos, h.shape[1])
         static = is_static(cache)       # a static decoding step's keys: the cache's capacity, masked
-        keys = (causal_mask(pad, pos, h.shape[1], self.token_capacity, h.device) if static and past_v is not None
-                else pad)
+        keys = attention_keys(cache, past_v is not None, pad, pos, h.shape[1], self.token_capacity, h.device)
         if heads:
             n_heads = v.shape[1]
             if self.solver.anderson and self.shards.consensus is not None:

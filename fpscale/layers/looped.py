@@ -22,7 +22,7 @@ from fpscale.layers.attn import heads_and_mlp
 from fpscale.layers.common import attention_flops, causal_conv, mlp_flops, real_tokens, rope_span, swiglu_hidden, wide
 from fpscale.layers.registry import FixedPointSpec
 from fpscale.layers.stacked import StackedBlocks
-from fpscale.layers.step_cache import rope_rows
+from fpscale.layers.step_cache import attention_keys, rope_rows
 
 CONV_WIDTH = 4          # the causal depthwise conv on the re-injected input (``conv: true``)
 
@@ -112,7 +112,7 @@ class LoopedCore(StackedBlocks):
                 inj, (cos_r, sin_r, pad_r) = inject.index_select(0, index), rope_rows(cos, sin, pad, index)
                 return lambda s, past, collect: self.one_pass(a2 * s + inj, cos_r, sin_r, past, collect, pad_r)
 
-            keys = self.attention_keys(cache, pad, pos, x.shape[1], x)
+            keys = attention_keys(cache, bool(cache.get("steps")), pad, pos, x.shape[1], self.token_capacity, x.device)
             s = self.decode(lambda s, past, collect: self.one_pass(a2 * s + inject, cos, sin, past, collect, keys),
                             torch.zeros_like(x), real, cache, rows_of)
             if window is not None:

@@ -15,9 +15,7 @@ import torch
 
 from fpscale.layers.common import TPSplit, init_linear, rms_norm, self_attention, swiglu, swiglu_hidden
 from fpscale.layers.fixed_point import FixedPointLayer
-from fpscale.layers.step_cache import is_static
 from fpscale.layers.switches import relu2
-from fpscale.ops.attention import causal_mask
 
 
 class StackedBlocks(FixedPointLayer):
@@ -71,13 +69,6 @@ class StackedBlocks(FixedPointLayer):
         if self.kind == "relu2":
             return self.shards.exit(relu2(h, self.w_fc[l], self.w_proj[l]))
         return self.shards.exit(swiglu(h, self.w_gate[l], self.w_up[l], self.w_down[l]))
-
-    def attention_keys(self, cache: dict, pad, pos, length: int, like: torch.Tensor):
-        """What the blocks' attention takes for ``pad`` in a decoding step: the rows' padding, or, in a static
-        cache that holds a past, the mask over its capacity (fpscale.ops.attention.causal_mask)."""
-        if is_static(cache) and cache.get("steps"):
-            return causal_mask(pad, pos, length, self.token_capacity, like.device)
-        return pad
 
     def decode(self, f_of: Callable, z0: torch.Tensor, real, cache: dict,
                rows_of: Callable | None = None) -> torch.Tensor:

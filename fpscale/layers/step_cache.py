@@ -51,6 +51,8 @@ from typing import Callable
 
 import torch
 
+from fpscale.ops.attention import causal_mask
+
 Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 CACHE_MODES = ("exact", "fixed_point")          # decode.cache (fpscale.models.config.DecodeConfig)
 
@@ -75,6 +77,14 @@ def is_static(cache: dict | None) -> bool:
     return cache is not None and bool(cache.get("static", False))
 
 
+def attention_keys(cache: dict | None, has_past: bool, pad, pos, length: int, capacity: int, device):
+    """What a decoding step's attention takes for ``pad``: the rows' padding, or, in a static cache that holds a
+    past, the mask of the keys each new token reads over the cache's whole capacity (``causal_mask``)."""
+    if is_static(cache) and has_past:
+        return causal_mask(pad, pos, length, capacity, device)
+    return pad
+
+
 class TokenBuffer:
     """Entries along a token axis ``dim``, preallocated for ``capacity`` tokens (``model.max_seq_len``): the
     past is never copied per token. ``with_new`` writes the new tokens' entries after the filled part and
@@ -94,6 +104,13 @@ class TokenBuffer:
             self.data.zero_()
         self.with_new(first)
         self.advance(first.shape[dim])
+
+    @classmethod
+    def over(cls, data: torch.Tensor, dim: int, n: int) -> TokenBuffer:
+        """A (dynamic) buffer over ``data`` whose first ``n`` tokens along ``dim`` are filled."""
+        out = object.__new__(cls)
+        out.data, out.dim, out.n, out.static = data, dim, n, False
+        return out
 
     def with_new(self, new: torch.Tensor) -> torch.Tensor:
         t = new.shape[self.dim]
@@ -145,9 +162,7 @@ class EntryBuffer(TokenBuffer):
     def entry(self, j: int) -> TokenBuffer:
         """Entry j (past J: the last) as a TokenBuffer over this storage: a map's ``with_new`` writes the new
         tokens' entries after the past there (``append`` writes the step's own over them after the solve)."""
-        out = object.__new__(TokenBuffer)
-        out.data, out.dim, out.n, out.static = self.data[:, min(j, self.J - 1)], self.dim - 1, self.n, False
-        return out
+        return TokenBuffer.over(self.data[:, min(j, self.J - 1)], self.dim - 1, self.n)
 
     def append(self, new: torch.Tensor) -> None:
         """The new tokens' entries [B, Jn, ...]: J becomes max(J, Jn)."""
@@ -178,8 +193,7 @@ def take_rows(x, index: torch.Tensor, room: int = 0):
     if isinstance(x, TokenBuffer):
         shape = list(x.data.shape)
         shape[0], shape[x.dim] = index.numel(), x.n + room
-        out = object.__new__(TokenBuffer)
-        out.data, out.dim, out.n, out.static = x.data.new_empty(shape), x.dim, x.n, False
+        out = TokenBuffer.over(x.data.new_empty(shape), x.dim, x.n)
         out.data.narrow(x.dim, 0, x.n).copy_(x.view().index_select(0, index))
         return out
     return x.index_select(0, index)
